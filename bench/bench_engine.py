@@ -1,0 +1,73 @@
+"""Engine vs transformers' batched generate: same process, same weights, same dtype.
+
+64 requests, 128-token prompts, 128 new tokens each (EOS ignored). Prints output tokens/s of both and
+the ratio. Usage: python bench/bench_engine.py [--dtype bfloat16] [--num 64] [--prompt-len 128] [--out-len 128]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+
+def make_prompts(num: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 100, (num, length), generator=g).tolist()
+
+
+def bench_engine(args, prompts) -> float:
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    llm = LLM(dtype=args.dtype, max_num_seqs=args.num, max_num_batched_tokens=args.max_batched_tokens,
+              enable_prefix_caching=False)
+    params = SamplingParams(temperature=0, max_tokens=args.out_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))   # warm-up
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t
+    n = sum(len(o.token_ids) for o in outs)
+    assert n == args.num * args.out_len
+    print(f"loraplex     : {n} tokens in {dt:7.2f} s = {n / dt:8.1f} tok/s")
+    return n / dt
+
+
+def bench_hf(args, prompts) -> float:
+    from transformers import AutoModelForCausalLM
+    from engine.model.resolve import resolve_model
+    path, _ = resolve_model("default")
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    ids = torch.tensor(prompts)
+    kw = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    with torch.no_grad():
+        model.generate(ids[:2], max_new_tokens=4, **{**kw, "attention_mask": torch.ones_like(ids[:2])})
+        t = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=args.out_len, min_new_tokens=args.out_len, **kw)
+        dt = time.perf_counter() - t
+    n = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    print(f"transformers : {n} tokens in {dt:7.2f} s = {n / dt:8.1f} tok/s")
+    return n / dt
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--num", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--out-len", type=int, default=128)
+    p.add_argument("--max-batched-tokens", type=int, default=2048)
+    p.add_argument("--skip-hf", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(torch.get_num_threads())
+    prompts = make_prompts(args.num, args.prompt_len, 49152)
+    print(f"{args.num} requests x ({args.prompt_len} prompt + {args.out_len} new tokens), {args.dtype}, "
+          f"{torch.get_num_threads()} threads")
+    ours = bench_engine(args, prompts)
+    if not args.skip_hf:
+        theirs = bench_hf(args, prompts)
+        print(f"ratio        : {ours / theirs:.2f}x transformers")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,12 @@
+"""loraplex engine. `from engine import LLM, SamplingParams`."""
+from engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    # NOTE: LLM pulls in torch and transformers; import it lazily so light users of engine.* stay light.
+    if name == "LLM":
+        from engine.llm import LLM
+        return LLM
+    raise AttributeError(name)

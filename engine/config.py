@@ -1,0 +1,144 @@
+"""Frozen configuration of each engine component. Derived values are properties.
+
+`EngineConfig` gathers the others; it is built once by `EngineConfig.create(**kwargs)` from the
+vLLM-style keyword arguments that `LLM(...)` and the CLI accept.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+           "fp32": torch.float32, "float": torch.float32}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        if name in (torch.bfloat16, torch.float32):
+            return name
+        raise ValueError(f"dtype: {name} is not supported; use bfloat16 or float32")
+    try:
+        return _DTYPES[str(name).lower()]
+    except KeyError:
+        raise ValueError(f"dtype: unknown dtype {name!r}; use 'bfloat16' or 'float32'") from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture read from a Hugging Face Llama `config.json`."""
+    path: str
+    name: str
+    dtype: torch.dtype
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_model_len: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dir(cls, path: str | Path, dtype: torch.dtype, name: str | None = None,
+                 max_model_len: int | None = None) -> "ModelConfig":
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ValueError(f"model: {path} has no config.json (not a Hugging Face model directory)")
+        cfg = json.loads(cfg_file.read_text())
+        archs = cfg.get("architectures") or []
+        if cfg.get("model_type") != "llama" and "LlamaForCausalLM" not in archs:
+            raise ValueError(f"model: {path} is not a Llama model (model_type={cfg.get('model_type')!r}, "
+                             f"architectures={archs}); loraplex serves Llama-architecture models")
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"model: rope_type {rope_type!r} in {cfg_file} is not supported")
+        heads = cfg["num_attention_heads"]
+        model_len = cfg.get("max_position_embeddings", 2048)
+        return cls(
+            path=str(path), name=name or path.name, dtype=dtype, vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+            rope_scaling=rope if rope_type == "llama3" else None,
+            max_model_len=min(model_len, max_model_len or model_len),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            eos_token_ids=_eos_ids(path, cfg))
+
+
+def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
+    ids: list[int] = []
+    gen = path / "generation_config.json"
+    for source in (cfg, json.loads(gen.read_text()) if gen.is_file() else {}):
+        eos = source.get("eos_token_id")
+        for i in eos if isinstance(eos, list) else [eos]:
+            if isinstance(i, int) and i not in ids:
+                ids.append(i)
+    return tuple(ids)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged pool: fixed-size pages shared by KV blocks (and, later, adapter weights)."""
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 1 << 30
+    enable_prefix_caching: bool = True
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 1024
+    long_prefill_token_threshold: int = 512
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+
+    @classmethod
+    def create(cls, model: str = "default", dtype: str | torch.dtype = "bfloat16",
+               max_model_len: int | None = None, seed: int = 0, **kwargs) -> "EngineConfig":
+        """Build from flat keyword arguments; unknown names raise a ValueError naming them."""
+        from engine.model.resolve import resolve_model
+        path, name = resolve_model(model)
+        parts = {}
+        for part_cls in (CacheConfig, SchedulerConfig):
+            names = {f.name for f in fields(part_cls)}
+            parts[part_cls] = part_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+        if kwargs:
+            raise ValueError(f"unknown engine argument(s): {', '.join(sorted(kwargs))}")
+        model_cfg = ModelConfig.from_dir(path, parse_dtype(dtype), name, max_model_len)
+        cfg = cls(model=model_cfg, cache=parts[CacheConfig], scheduler=parts[SchedulerConfig], seed=seed)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        s, c = self.scheduler, self.cache
+        for name, value in (("max_num_seqs", s.max_num_seqs), ("max_num_batched_tokens", s.max_num_batched_tokens),
+                            ("block_size", c.block_size), ("kv_cache_memory_bytes", c.kv_cache_memory_bytes)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")

@@ -1,0 +1,13 @@
+"""What one engine step reports per request, before detokenization."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class TokenOutput(NamedTuple):
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int

@@ -1,0 +1,20 @@
+"""The one module that reads environment variables."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> str:
+    """Where converted models live: $LORAPLEX_CACHE, else ~/.cache/loraplex."""
+    return os.environ.get("LORAPLEX_CACHE") or str(Path.home() / ".cache" / "loraplex")
+
+
+def num_threads() -> int:
+    """Torch intra-op threads for the forward pass: $LORAPLEX_NUM_THREADS, else all cores."""
+    value = os.environ.get("LORAPLEX_NUM_THREADS")
+    return int(value) if value else (os.cpu_count() or 1)
+
+
+def log_level() -> str:
+    return os.environ.get("LORAPLEX_LOG_LEVEL", "INFO")

@@ -1,0 +1,86 @@
+"""The offline Python API, in vLLM's style: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+from tqdm import tqdm
+
+from engine.config import EngineConfig
+from engine.core.engine_core import EngineCore
+from engine.output_processor import OutputProcessor
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import encode_chat, load_tokenizer
+from ipc.requests import GenerateRequest
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """One engine in this process. Keyword arguments are EngineConfig settings (`dtype`,
+    `max_num_seqs`, `max_num_batched_tokens`, `kv_cache_memory_bytes`, `block_size`, ...)."""
+
+    def __init__(self, model: str = "default", dtype: str = "bfloat16", **kwargs):
+        self.config = EngineConfig.create(model=model, dtype=dtype, **kwargs)
+        self.tokenizer = load_tokenizer(self.config.model.path)
+        self.engine = EngineCore(self.config)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def _tokens(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt)["input_ids"]
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        raise ValueError("prompt: must be a string or a list of token ids")
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt together (continuous batching); outputs in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        token_lists = [self._tokens(p) for p in prompts]
+        return self._run(token_lists, [p if isinstance(p, str) else None for p in prompts], params, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation and generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        token_lists = [encode_chat(self.tokenizer, c) for c in convs]
+        return self._run(token_lists, [None] * len(convs), params, use_tqdm)
+
+    def _run(self, token_lists, texts, params, use_tqdm) -> list[RequestOutput]:
+        params = params or SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(token_lists)
+        if len(plist) != len(token_lists):
+            raise ValueError(f"params: {len(plist)} given for {len(token_lists)} prompts")
+        results: dict[str, RequestOutput] = {}
+        for ids, text, p in zip(token_lists, texts, plist):
+            rid = f"offline-{next(self._ids)}"
+            self.engine.validate(GenerateRequest(rid, ids, p))
+            results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], None)])
+        for rid, p in zip(results, plist):
+            self.engine.add_request(GenerateRequest(rid, results[rid].prompt_token_ids, p))
+            self.processor.add(rid, results[rid].prompt_token_ids, p.stop, p.include_stop_str_in_output)
+        bar = tqdm(total=len(results), desc="generating", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished():
+                deltas, stopped = self.processor.process(self.engine.step())
+                for rid in stopped:
+                    self.engine.abort(rid, FinishReason.STOP)
+                for d in deltas:
+                    out = results[d.request_id].outputs[0]
+                    out.text += d.text
+                    out.token_ids.extend(d.token_ids)
+                    results[d.request_id].num_cached_tokens = d.cached_tokens
+                    if d.finish_reason is not None:
+                        out.finish_reason = d.finish_reason
+                        bar.update()
+        finally:
+            bar.close()
+            for rid in results:
+                if self.engine.abort(rid):
+                    self.processor.drop(rid)
+        return list(results.values())

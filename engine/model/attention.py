@@ -1,0 +1,70 @@
+"""Attention over the paged KV cache (torch path for CPU).
+
+The cache of one layer is a view `[num_pages, block_size, kv_heads, head_dim]` of the page pool; a
+request's K/V for token t lives at page block_table[t // block_size], offset t % block_size.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    """One request computing more than one token: queries [q_start, q_end) of the step's tokens,
+    attending to its first `ctx_len` tokens (the new ones included), through `block_table`."""
+    q_start: int
+    q_end: int
+    ctx_len: int
+    block_table: torch.Tensor   # [num_blocks] int64
+    mask: torch.Tensor | None   # [q_len, ctx_len] bool, None when the chunk is the whole context
+
+
+@dataclass
+class AttentionMetadata:
+    """Per step; shared by every layer. The first `num_decode` tokens belong to `num_decode` requests
+    computing one token each; the rest to `prefills`."""
+    slot_page: torch.Tensor         # [T] page of each new token's K/V
+    slot_offset: torch.Tensor       # [T] offset inside that page
+    num_decode: int
+    decode_block_tables: torch.Tensor | None  # [D, max_blocks] (padded with page 0)
+    decode_mask: torch.Tensor | None          # [D, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillSeq]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """k, v: [T, kv_heads, head_dim] -> the cache slots of the step's tokens."""
+    k_cache[meta.slot_page, meta.slot_offset] = k
+    v_cache[meta.slot_page, meta.slot_offset] = v
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[..., nb] block table -> [..., kv_heads, nb * block_size, head_dim]."""
+    x = cache[block_table]                      # [..., nb, bs, kvh, d]
+    x = x.flatten(-4, -3)                       # [..., L, kvh, d]
+    return x.transpose(-3, -2)                  # [..., kvh, L, d]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, heads, head_dim] -> out: [T, heads, head_dim]."""
+    out = torch.empty_like(q)
+    d = meta.num_decode
+    if d:
+        qd = q[:d].unsqueeze(2)                 # [D, heads, 1, d]
+        k = _gather(k_cache, meta.decode_block_tables)
+        v = _gather(v_cache, meta.decode_block_tables)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale,
+                                           enable_gqa=True)
+        out[:d] = o.squeeze(2)
+    for p in meta.prefills:
+        qp = q[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)          # [1, heads, n, d]
+        k = _gather(k_cache, p.block_table)[:, : p.ctx_len].unsqueeze(0)  # [1, kvh, ctx, d]
+        v = _gather(v_cache, p.block_table)[:, : p.ctx_len].unsqueeze(0)
+        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, is_causal=p.mask is None,
+                                           scale=scale, enable_gqa=True)
+        out[p.q_start:p.q_end] = o.squeeze(0).transpose(0, 1)
+    return out

@@ -1,0 +1,74 @@
+"""The Llama forward pass over a paged KV cache, in plain torch ops.
+
+Tokens of all scheduled requests are flattened into one batch of T tokens: x is [T, hidden]. Multi-LoRA
+deltas are added by a `LoraHook` right after each base projection, on the fused outputs.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.model.attention import AttentionMetadata, paged_attention, write_kv
+from engine.model.rope import Rope
+from engine.model.weights import LlamaWeights
+
+
+class LoraHook(Protocol):
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Add the adapters' deltas in place: y[t] += lora_{group}(x[t]) for every token t.
+        group is "qkv", "o", "gate_up" or "down"; x: [T, in], y: [T, out] (fused outputs)."""
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As Hugging Face Llama: normalise in fp32, scale in the model dtype."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, weights: LlamaWeights):
+        self.cfg = cfg
+        self.w = weights
+        self.rope = Rope(cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling, cfg.dtype)
+        self.scale = cfg.head_dim ** -0.5
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
+                lora: LoraHook | None = None) -> torch.Tensor:
+        """input_ids, positions: [T]; logits_indices: [S] rows to project -> logits [S, vocab] fp32."""
+        cfg = self.cfg
+        x = F.embedding(input_ids, self.w.embed)                     # [T, H]
+        cos, sin = self.rope.tables(positions)
+        for i, layer in enumerate(self.w.layers):
+            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv)                              # [T, q + 2kv]
+            if lora is not None:
+                lora.apply(i, "qkv", h, qkv)
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = self.rope.apply(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = self.rope.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            k_cache, v_cache = kv_caches[i]
+            write_kv(k_cache, v_cache, k, v, meta)
+            attn = paged_attention(q, k_cache, v_cache, meta, self.scale).flatten(1)  # [T, q]
+            o = F.linear(attn, layer.o)
+            if lora is not None:
+                lora.apply(i, "o", attn, o)
+            x = x + o
+            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            gate_up = F.linear(h, layer.gate_up)                      # [T, 2I]
+            if lora is not None:
+                lora.apply(i, "gate_up", h, gate_up)
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            down = F.linear(act, layer.down)
+            if lora is not None:
+                lora.apply(i, "down", act, down)
+            x = x + down
+        x = rms_norm(x[logits_indices], self.w.norm, cfg.rms_norm_eps)
+        return F.linear(x, self.w.lm_head).float()

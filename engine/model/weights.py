@@ -1,0 +1,72 @@
+"""Load a Hugging Face Llama checkpoint (safetensors) into fused per-layer tensors."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from engine.config import ModelConfig
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor     # [H]
+    qkv: torch.Tensor            # [q_size + 2 * kv_size, H]
+    o: torch.Tensor              # [H, q_size]
+    post_norm: torch.Tensor      # [H]
+    gate_up: torch.Tensor        # [2 * I, H]
+    down: torch.Tensor           # [H, I]
+
+
+@dataclass
+class LlamaWeights:
+    embed: torch.Tensor          # [V, H]
+    layers: list[LayerWeights]
+    norm: torch.Tensor           # [H]
+    lm_head: torch.Tensor        # [V, H] (the embedding when tied)
+
+
+def _open_all(path: Path) -> dict[str, tuple]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: {path} has no *.safetensors weights (pickled .bin files are not loaded)")
+    index = {}
+    for f in files:
+        handle = safe_open(str(f), framework="pt")
+        for name in handle.keys():
+            index[name] = handle
+    return index
+
+
+def load_weights(cfg: ModelConfig) -> LlamaWeights:
+    index = _open_all(Path(cfg.path))
+
+    def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in index:
+            raise ValueError(f"model: weight {name!r} is missing from {cfg.path}")
+        t = index[name].get_tensor(name)
+        if tuple(t.shape) != shape:
+            raise ValueError(f"model: weight {name!r} has shape {tuple(t.shape)}, config implies {shape}")
+        return t.to(cfg.dtype)
+
+    H, I, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    layers = []
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        layers.append(LayerWeights(
+            input_norm=get(p + "input_layernorm.weight", (H,)),
+            qkv=torch.cat([get(p + "self_attn.q_proj.weight", (q, H)),
+                           get(p + "self_attn.k_proj.weight", (kv, H)),
+                           get(p + "self_attn.v_proj.weight", (kv, H))]),
+            o=get(p + "self_attn.o_proj.weight", (H, q)),
+            post_norm=get(p + "post_attention_layernorm.weight", (H,)),
+            gate_up=torch.cat([get(p + "mlp.gate_proj.weight", (I, H)), get(p + "mlp.up_proj.weight", (I, H))]),
+            down=get(p + "mlp.down_proj.weight", (H, I))))
+    embed = get("model.embed_tokens.weight", (cfg.vocab_size, H))
+    if cfg.tie_word_embeddings or "lm_head.weight" not in index:
+        lm_head = embed
+    else:
+        lm_head = get("lm_head.weight", (cfg.vocab_size, H))
+    return LlamaWeights(embed=embed, layers=layers, norm=get("model.norm.weight", (H,)), lm_head=lm_head)

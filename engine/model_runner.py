@@ -1,0 +1,97 @@
+"""Turns a SchedulerOutput into tensors, runs the model and samples.
+
+Owns the page pool's storage: one tensor [num_pages, page_elems] in the model dtype. A KV page holds
+one block for every layer, laid out [layers, 2 (K, V), block_size, kv_heads, head_dim].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.model.attention import AttentionMetadata, PrefillSeq
+from engine.model.llama import LlamaModel, LoraHook
+from engine.model.weights import load_weights
+from engine.sampler import Sampler
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass
+class ForwardInput:
+    input_ids: torch.Tensor        # [T]
+    positions: torch.Tensor        # [T]
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor   # [S]
+    sample_rows: list[int]         # S positions in SchedulerOutput.requests that sample this step
+
+
+def page_elems(cfg: EngineConfig) -> int:
+    m = cfg.model
+    return m.num_layers * 2 * cfg.cache.block_size * m.num_kv_heads * m.head_dim
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, num_pages: int):
+        self.cfg = cfg
+        m = cfg.model
+        self.block_size = cfg.cache.block_size
+        self.model = LlamaModel(m, load_weights(m))
+        self.storage = torch.zeros(num_pages, page_elems(cfg), dtype=m.dtype)
+        paged = self.storage.view(num_pages, m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim)
+        self.kv_caches = [(paged[:, i, 0], paged[:, i, 1]) for i in range(m.num_layers)]
+        self.sampler = Sampler(cfg.seed)
+
+    def prepare(self, out: SchedulerOutput) -> ForwardInput:
+        bs = self.block_size
+        ids, pos, pages, offs = [], [], [], []
+        sample_rows, logits_idx = [], []
+        decode_tables, decode_lens, prefills = [], [], []
+        for row, (req, n) in enumerate(zip(out.requests, out.num_new_tokens)):
+            start = req.num_computed_tokens
+            end = start + n
+            tokens = req.all_token_ids
+            q_start = len(ids)
+            ids.extend(tokens[start:end])
+            pos.extend(range(start, end))
+            pages.extend(req.block_ids[p // bs] for p in range(start, end))
+            offs.extend(p % bs for p in range(start, end))
+            table = req.block_ids[: -(-end // bs)]
+            if n == 1:
+                decode_tables.append(table)
+                decode_lens.append(end)
+            else:
+                prefills.append(PrefillSeq(q_start, q_start + n, end, torch.tensor(table), _chunk_mask(start, n)))
+            if end == req.num_tokens:
+                sample_rows.append(row)
+                logits_idx.append(len(ids) - 1)
+        meta = AttentionMetadata(
+            slot_page=torch.tensor(pages, dtype=torch.long), slot_offset=torch.tensor(offs, dtype=torch.long), num_decode=len(decode_tables),
+            decode_block_tables=None, decode_mask=None, prefills=prefills)
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])
+            lens = torch.tensor(decode_lens)
+            meta.decode_mask = (torch.arange(width * bs)[None, :] < lens[:, None])[:, None, None, :]
+        return ForwardInput(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, torch.tensor(logits_idx, dtype=torch.long), sample_rows)
+
+    def execute(self, out: SchedulerOutput, lora: LoraHook | None = None) -> dict[int, int]:
+        """Run one step; return {row in out.requests: sampled token} for rows that finished their chunk."""
+        inp = self.prepare(out)
+        logits = self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches,
+                                    inp.logits_indices, lora)
+        if not inp.sample_rows:
+            return {}
+        reqs = [out.requests[r] for r in inp.sample_rows]
+        tokens = self.sampler.sample(logits, [r.request_id for r in reqs], [r.params for r in reqs])
+        return dict(zip(inp.sample_rows, tokens))
+
+
+def _chunk_mask(start: int, n: int) -> torch.Tensor | None:
+    """Queries at positions [start, start+n) over keys [0, start+n): key j visible to query i iff
+    j <= start + i. None when start == 0 (plain causal)."""
+    if start == 0:
+        return None
+    q = torch.arange(start, start + n)[:, None]
+    k = torch.arange(start + n)[None, :]
+    return k <= q

@@ -1,0 +1,42 @@
+"""Turns the core's token outputs into text deltas, one Detokenizer per request.
+
+A stop string is found here, after the core sampled the token: the processor reports those requests
+in `stopped` so the caller aborts them in the core with reason "stop".
+"""
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+from engine.core.outputs import TokenOutput
+from engine.detokenizer import Detokenizer
+from ipc.outputs import RequestOutput
+
+
+class OutputProcessor:
+    def __init__(self, tok: PreTrainedTokenizerBase):
+        self.tok = tok
+        self.detok: dict[str, Detokenizer] = {}
+
+    def add(self, request_id: str, prompt_ids: list[int], stop: list[str], include_stop: bool) -> None:
+        self.detok[request_id] = Detokenizer(self.tok, prompt_ids, stop, include_stop)
+
+    def drop(self, request_id: str) -> None:
+        self.detok.pop(request_id, None)
+
+    def process(self, outputs: list[TokenOutput]) -> tuple[list[RequestOutput], list[str]]:
+        """Return (deltas to deliver, ids of requests a stop string finished)."""
+        results, stopped = [], []
+        for o in outputs:
+            d = self.detok.get(o.request_id)
+            if d is None:
+                continue
+            text = d.update(o.new_token_ids, o.finish_reason is not None)
+            reason = o.finish_reason
+            if d.stopped and reason is None:
+                reason = "stop"
+                stopped.append(o.request_id)
+            results.append(RequestOutput(o.request_id, o.new_token_ids, text, reason, o.prompt_tokens,
+                                         o.completion_tokens, o.cached_tokens))
+            if reason is not None:
+                del self.detok[o.request_id]
+        return results, stopped

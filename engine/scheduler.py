@@ -1,0 +1,137 @@
+"""Continuous batching by token counts under one token budget per step.
+
+Each step gives every scheduled request a number of new tokens to compute: 1 for a decoding request, up
+to the budget (capped by `long_prefill_token_threshold`) for a prompt, so long prompts are prefilled in
+chunks and prefill and decode of different requests share a step. When the pool runs out of pages the
+most recently arrived running request is preempted: its blocks are freed and it is recomputed later.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import SchedulerConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """What the model runner computes this step: `num_new_tokens[i]` tokens of `requests[i]`,
+    starting at its `num_computed_tokens`. Requests are ordered decodes (1 token) first."""
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        order = sorted(range(len(out.requests)), key=lambda i: out.num_new_tokens[i] != 1)
+        out.requests = [out.requests[i] for i in order]
+        out.num_new_tokens = [out.num_new_tokens[i] for i in order]
+        return out
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        return min(req.num_tokens - req.num_computed_tokens, budget,
+                   self.config.long_prefill_token_threshold)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._chunk(req, budget)
+            while not self.kv.can_allocate(req, n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break
+            self.kv.allocate(req, n)
+            out.requests.append(req)
+            out.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+        return budget
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            cached = self.kv.find_cached_prefix(req)
+            remaining = req.num_tokens - len(cached) * self.kv.block_size
+            n = min(remaining, budget, self.config.long_prefill_token_threshold)
+            if not self.kv.can_allocate(req, n, cached):
+                break
+            self.waiting.popleft()
+            self.kv.allocate(req, n, cached)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.requests.append(req)
+            out.num_new_tokens.append(n)
+            budget -= n
+
+    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
+        """Advance every scheduled request; append sampled tokens (keyed by position in `out.requests`);
+        return the requests that finished this step (their blocks already freed)."""
+        finished = []
+        for i, (req, n) in enumerate(zip(out.requests, out.num_new_tokens)):
+            if req.status != RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += n
+            self.kv.cache_full_blocks(req)
+            token = sampled.get(i)
+            if token is None:
+                continue
+            reason = req.append_token(token)
+            if reason is not None:
+                self.finish(req, reason)
+                finished.append(req)
+        return finished
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """Stop a request wherever it is (running or waiting) and free its blocks."""
+        if req.status == RequestStatus.FINISHED:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason

@@ -1,0 +1,46 @@
+"""Messages from frontends (and the offline API) to the engine.
+
+Every message is a tagged `msgspec.Struct`; `decode_request` turns bytes back into the right one.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from engine.sampling_params import SamplingParams
+
+_STRUCT = dict(array_like=True, omit_defaults=True, gc=False, tag_field="t")
+
+
+class GenerateRequest(msgspec.Struct, tag="gen", **_STRUCT):
+    """Generate from `prompt_token_ids` with the named adapter (None: the base model)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    adapter: str | None = None
+    cache_salt: str | None = None
+
+
+class AbortRequest(msgspec.Struct, tag="abort", **_STRUCT):
+    request_ids: list[str]
+
+
+class AdapterCommand(msgspec.Struct, tag="adapter", **_STRUCT):
+    """op: "load" (name, path, pinned), "unload" (name) or "list"; answered by an AdapterReply."""
+    command_id: str
+    op: str
+    name: str = ""
+    path: str = ""
+    pinned: bool = False
+
+
+EngineRequest = GenerateRequest | AbortRequest | AdapterCommand
+_decoder = msgspec.msgpack.Decoder(EngineRequest)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_request(msg: EngineRequest) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_request(data: bytes) -> EngineRequest:
+    return _decoder.decode(data)

@@ -1,0 +1,40 @@
+"""Shared fixtures: the default model directory (converted once) and a Hugging Face oracle."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def model_dir():
+    from engine.model.default_model import default_model_dir
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from engine.tokenizer import load_tokenizer
+    return load_tokenizer(str(model_dir))
+
+
+def hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
+    """Transformers' own greedy generate for one prompt, cut after the first EOS."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    return out[0, len(ids):].tolist()
+
+
+def assert_pool_idle(llm) -> None:
+    """After a test: every page of the pool is free again and no request is left."""
+    pool = llm.engine.pool
+    assert pool.num_free == pool.num_pages, pool.usage()
+    assert sum(pool.ref_count) == 0
+    assert not llm.engine.has_unfinished()

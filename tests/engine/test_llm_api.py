@@ -1,0 +1,76 @@
+"""The offline API in bfloat16 (the default): chat, sampling, stops, errors."""
+import pytest
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tests.conftest import assert_pool_idle
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM()
+
+
+def test_chat_answers_paris(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=16))[0]
+    assert "Paris" in out.text and out.finish_reason == "stop"
+    assert_pool_idle(llm)
+
+
+def test_same_seed_same_output_and_different_seed_differs(llm):
+    p = [SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=s, max_tokens=24, ignore_eos=True)
+         for s in (1, 1, 2)]
+    a, b, c = llm.generate(["Write a poem about rivers."] * 3, p)
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+    assert len(a.token_ids) == 24 and a.finish_reason == "length"
+
+
+def test_top_k_one_is_greedy(llm):
+    greedy = llm.generate("Name three colors:", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    topk = llm.generate("Name three colors:", SamplingParams(temperature=0.8, top_k=1, seed=3, max_tokens=10,
+                                                             ignore_eos=True))[0]
+    assert topk.token_ids == greedy.token_ids
+
+
+def test_stop_string_and_stop_token(llm):
+    base = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    assert " 5" in base.text
+    cut = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=20, stop=[" 5"]))[0]
+    assert cut.finish_reason == "stop" and cut.text == base.text[: base.text.index(" 5")]
+    tok = base.token_ids[2]
+    stopped = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[tok]))[0]
+    assert stopped.token_ids == base.token_ids[:3] and stopped.finish_reason == "stop"
+    assert_pool_idle(llm)
+
+
+def test_token_id_prompt_equals_text_prompt(llm):
+    params = SamplingParams(temperature=0, max_tokens=8)
+    text = llm.generate("Hello there", params)[0]
+    ids = llm.generate(llm.tokenizer("Hello there")["input_ids"], params)[0]
+    assert text.token_ids == ids.token_ids
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"),
+    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k")])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_prompt_longer_than_context_is_refused_and_engine_keeps_serving(llm):
+    limit = llm.config.model.max_model_len
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([1] * limit, SamplingParams(max_tokens=1))
+    assert llm.generate("Hi", SamplingParams(temperature=0, max_tokens=2))[0].token_ids
+    assert_pool_idle(llm)
+
+
+def test_bad_dtype_and_non_llama_model_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="dtype"):
+        LLM(dtype="float8")
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ValueError, match="not a Llama"):
+        LLM(model=str(tmp_path))

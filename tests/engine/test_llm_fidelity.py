@@ -1,0 +1,43 @@
+"""Greedy output of the engine against transformers' generate on the same float32 weights."""
+import pytest
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tests.conftest import assert_pool_idle, hf_greedy
+
+PAGE_FP32 = 30 * 2 * 16 * 3 * 64 * 4   # bytes of one KV page of the default model in float32
+
+
+@pytest.fixture(scope="module")
+def small_llm():
+    # 40 pages of 16 tokens: too few for all prompts at once, so some requests are preempted;
+    # a 64-token prefill chunk, so the long prompt is computed in several chunks.
+    return LLM(dtype="float32", long_prefill_token_threshold=64, max_num_batched_tokens=160,
+               kv_cache_memory_bytes=40 * PAGE_FP32)
+
+
+def test_greedy_matches_transformers_with_chunks_and_preemption(small_llm, hf_model, tokenizer):
+    llm = small_llm
+    prompts = [("word " * (i * 7)) + f"Tell me a story about the number {i}." for i in range(15)]
+    prompts.append("The history of the city is long and interesting. " * 25)
+    ids = [tokenizer(p)["input_ids"] for p in prompts]
+    assert max(len(i) for i in ids) > 64
+    before = llm.engine.scheduler.num_preemptions
+    outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=24))
+    assert llm.engine.scheduler.num_preemptions > before, "the test must exercise preemption"
+    for prompt_ids, out in zip(ids, outs):
+        assert out.token_ids == hf_greedy(hf_model, prompt_ids, 24), len(prompt_ids)
+        assert out.finish_reason in ("stop", "length")
+    assert_pool_idle(llm)
+
+
+def test_prefix_cache_hit_gives_the_same_tokens(small_llm):
+    llm = small_llm
+    prompt = "A long shared system prompt about tenants and adapters. " * 6 + "Question: what now?"
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    miss = llm.generate(prompt, params)[0]
+    hit = llm.generate(prompt, params)[0]
+    assert miss.num_cached_tokens == 0 and hit.num_cached_tokens >= 48
+    assert hit.token_ids == miss.token_ids
+    assert llm.engine.pool.prefix_hits >= 1
+    assert_pool_idle(llm)
