@@ -72,7 +72,9 @@ class ModelRunner:
             width = max(len(t) for t in decode_tables)
             meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])
             lens = torch.tensor(decode_lens)
-            meta.decode_mask = (torch.arange(width * bs)[None, :] < lens[:, None])[:, None, None, :]
+            visible = torch.arange(width * bs)[None, :] < lens[:, None]
+            meta.decode_mask = torch.zeros(visible.shape, dtype=self.cfg.model.dtype).masked_fill_(
+                ~visible, float("-inf"))[:, None, None, :]
         return ForwardInput(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, torch.tensor(logits_idx, dtype=torch.long), sample_rows)
 
     def execute(self, out: SchedulerOutput, lora: LoraHook | None = None) -> dict[int, int]:
