@@ -113,10 +113,25 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """Multi-LoRA limits, named as vLLM's flags.
+
+    max_loras: distinct adapters in one step (and CPU compute slots); max_lora_rank: the largest rank
+    accepted; max_cpu_loras / max_cpu_lora_bytes: the host-memory tier between disk and the page pool."""
+    enable_lora: bool = True
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 64
+    max_cpu_lora_bytes: int = 4 << 30
+    starvation_steps: int = 64
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     seed: int = 0
 
     @classmethod
@@ -126,19 +141,21 @@ class EngineConfig:
         from engine.model.resolve import resolve_model
         path, name = resolve_model(model)
         parts = {}
-        for part_cls in (CacheConfig, SchedulerConfig):
+        for part_cls in (CacheConfig, SchedulerConfig, LoraConfig):
             names = {f.name for f in fields(part_cls)}
             parts[part_cls] = part_cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
         if kwargs:
             raise ValueError(f"unknown engine argument(s): {', '.join(sorted(kwargs))}")
         model_cfg = ModelConfig.from_dir(path, parse_dtype(dtype), name, max_model_len)
-        cfg = cls(model=model_cfg, cache=parts[CacheConfig], scheduler=parts[SchedulerConfig], seed=seed)
+        cfg = cls(model=model_cfg, cache=parts[CacheConfig], scheduler=parts[SchedulerConfig],
+                  lora=parts[LoraConfig], seed=seed)
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
-        s, c = self.scheduler, self.cache
-        for name, value in (("max_num_seqs", s.max_num_seqs), ("max_num_batched_tokens", s.max_num_batched_tokens),
+        s, c, lo = self.scheduler, self.cache, self.lora
+        for name, value in (("max_loras", lo.max_loras), ("max_lora_rank", lo.max_lora_rank),
+                            ("max_cpu_loras", lo.max_cpu_loras), ("max_num_seqs", s.max_num_seqs), ("max_num_batched_tokens", s.max_num_batched_tokens),
                             ("block_size", c.block_size), ("kv_cache_memory_bytes", c.kv_cache_memory_bytes)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")

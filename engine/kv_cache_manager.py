@@ -28,6 +28,9 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # reclaim(n) frees up to n pages held by idle adapters (S-LoRA: KV and adapters share the pool)
+        self.reclaim = None
+        self.adapter_hashes: dict[int, set[bytes]] = {}
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -65,7 +68,11 @@ class KVCacheManager:
                                   + num_new_tokens) - have
         # NOTE: cached pages that sit in the free queue are counted free; touching them removes them.
         reclaimed = sum(1 for p in cached_pages if self.pool.ref_count[p] == 0)
-        return need <= self.pool.num_free - reclaimed
+        short = need - (self.pool.num_free - reclaimed)
+        if short > 0 and self.reclaim is not None:
+            self.reclaim(short)
+            short = need - (self.pool.num_free - reclaimed)
+        return short <= 0
 
     def allocate(self, req: Request, num_new_tokens: int, cached_pages: list[int] = ()) -> None:
         """Give `req` the cached pages (advancing num_computed_tokens) and enough new blocks for
@@ -84,9 +91,17 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         self._update_hashes(req, req.num_computed_tokens)
-        for i in range(min(len(req.block_hashes), req.num_computed_tokens // self.block_size)):
+        for i in range(req.num_cached_blocks, min(len(req.block_hashes), req.num_computed_tokens // self.block_size)):
             self.pool.cache(req.block_ids[i], req.block_hashes[i])
+            if req.adapter_id:
+                self.adapter_hashes.setdefault(req.adapter_id, set()).add(req.block_hashes[i])
+            req.num_cached_blocks = i + 1
+
+    def drop_adapter_blocks(self, adapter_id: int) -> int:
+        """Forget every prefix-cache block computed with this adapter."""
+        return self.pool.evict_cached(self.adapter_hashes.pop(adapter_id, ()))
 
     def free(self, req: Request) -> None:
         self.pool.free(req.block_ids)
         req.block_ids = []
+        req.num_cached_blocks = 0

@@ -36,34 +36,54 @@ class LLM:
             return list(prompt)
         raise ValueError("prompt: must be a string or a list of token ids")
 
+    def register_adapter(self, name: str, path: str, pinned: bool = False) -> None:
+        """Register a PEFT LoRA directory under `name` (validated now; loaded on first use)."""
+        self.engine.register_adapter(name, path, pinned)
+
+    def unregister_adapter(self, name: str) -> None:
+        self.engine.unregister_adapter(name)
+
+    def list_adapters(self) -> list[str]:
+        return self.engine.adapters.names() if self.engine.adapters else []
+
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt together (continuous batching); outputs in prompt order."""
+                 adapter: str | None | Sequence[str | None] = None, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt together (continuous batching); outputs in prompt order.
+        `adapter`: one adapter name (or None, the base model) for all prompts, or a list with one per prompt."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         token_lists = [self._tokens(p) for p in prompts]
-        return self._run(token_lists, [p if isinstance(p, str) else None for p in prompts], params, use_tqdm)
+        return self._run(token_lists, [p if isinstance(p, str) else None for p in prompts], params, adapter, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+             adapter: str | None | Sequence[str | None] = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation and generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         token_lists = [encode_chat(self.tokenizer, c) for c in convs]
-        return self._run(token_lists, [None] * len(convs), params, use_tqdm)
+        return self._run(token_lists, [None] * len(convs), params, adapter, use_tqdm)
 
-    def _run(self, token_lists, texts, params, use_tqdm) -> list[RequestOutput]:
-        params = params or SamplingParams()
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(token_lists)
-        if len(plist) != len(token_lists):
-            raise ValueError(f"params: {len(plist)} given for {len(token_lists)} prompts")
+    @staticmethod
+    def _per_prompt(value, n: int, name: str) -> list:
+        values = list(value) if isinstance(value, (list, tuple)) else [value] * n
+        if len(values) != n:
+            raise ValueError(f"{name}: {len(values)} given for {n} prompts")
+        return values
+
+    def _run(self, token_lists, texts, params, adapter, use_tqdm) -> list[RequestOutput]:
+        plist = self._per_prompt(params or SamplingParams(), len(token_lists), "params")
+        alist = self._per_prompt(adapter, len(token_lists), "adapter")
         results: dict[str, RequestOutput] = {}
-        for ids, text, p in zip(token_lists, texts, plist):
+        reqs = []
+        for ids, text, p, a in zip(token_lists, texts, plist, alist):
             rid = f"offline-{next(self._ids)}"
-            self.engine.validate(GenerateRequest(rid, ids, p))
+            reqs.append(GenerateRequest(rid, ids, p, adapter=a))
+            self.engine.validate(reqs[-1])
+            self.engine.adapter_id(a)
             results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], None)])
-        for rid, p in zip(results, plist):
-            self.engine.add_request(GenerateRequest(rid, results[rid].prompt_token_ids, p))
-            self.processor.add(rid, results[rid].prompt_token_ids, p.stop, p.include_stop_str_in_output)
+        for req in reqs:
+            p = req.params
+            self.engine.add_request(req)
+            self.processor.add(req.request_id, req.prompt_token_ids, p.stop, p.include_stop_str_in_output)
         bar = tqdm(total=len(results), desc="generating", disable=not use_tqdm)
         try:
             while self.engine.has_unfinished():

@@ -41,6 +41,8 @@ class ModelRunner:
         paged = self.storage.view(num_pages, m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim)
         self.kv_caches = [(paged[:, i, 0], paged[:, i, 1]) for i in range(m.num_layers)]
         self.sampler = Sampler(cfg.seed)
+        # When a dict, execute() stores each sampling request's fp32 logits [vocab] in it (for tests).
+        self.capture_logits: dict[str, torch.Tensor] | None = None
 
     def prepare(self, out: SchedulerOutput) -> ForwardInput:
         bs = self.block_size
@@ -85,6 +87,9 @@ class ModelRunner:
         if not inp.sample_rows:
             return {}
         reqs = [out.requests[r] for r in inp.sample_rows]
+        if self.capture_logits is not None:
+            for req, row in zip(reqs, logits):
+                self.capture_logits[req.request_id] = row.clone()
         tokens = self.sampler.sample(logits, [r.request_id for r in reqs], [r.params for r in reqs])
         return dict(zip(inp.sample_rows, tokens))
 

@@ -37,9 +37,13 @@ class Request:
     num_cached_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0   # leading blocks already registered in the prefix cache
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    blocked_by_cap: int = 0      # steps held back by the max_loras cap
+    cold_start: bool = False     # had to wait for its adapter to load
+    counted: bool = False        # counted in the adapter hit/cold-start statistics
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -33,9 +33,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, admission=None):
         self.config = config
         self.kv = kv
+        self.admission = admission      # AdapterAdmission, or None without LoRA
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -82,6 +83,8 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
+        if self.admission:
+            self.admission.stop_running(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
@@ -91,20 +94,31 @@ class Scheduler:
         out.preempted.append(req)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        adm = self.admission
+        freeze_new = bool(adm and self.waiting and self.waiting[0].blocked_by_cap > adm.cfg.starvation_steps)
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[i]
+            if adm and not adm.can_admit(req, freeze_new and i > 0):
+                i += 1
+                continue
             cached = self.kv.find_cached_prefix(req)
             remaining = req.num_tokens - len(cached) * self.kv.block_size
             n = min(remaining, budget, self.config.long_prefill_token_threshold)
             if not self.kv.can_allocate(req, n, cached):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             self.kv.allocate(req, n, cached)
+            if adm:
+                adm.admit(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.requests.append(req)
             out.num_new_tokens.append(n)
             budget -= n
+        if adm:
+            for req in list(self.waiting)[i: i + 2 * adm.cfg.max_loras]:
+                adm.prefetch(req)
 
     def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
         """Advance every scheduled request; append sampled tokens (keyed by position in `out.requests`);
@@ -130,8 +144,12 @@ class Scheduler:
             return
         if req in self.running:
             self.running.remove(req)
+            if self.admission:
+                self.admission.stop_running(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if self.admission:
+            self.admission.finished(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

@@ -14,6 +14,10 @@ from engine import envs
 from engine.config import EngineConfig
 from engine.core.outputs import TokenOutput
 from engine.kv_cache_manager import KVCacheManager
+from engine.lora.adapter_manager import AdapterManager
+from engine.lora.admission import AdapterAdmission
+from engine.lora.cpu_lora import LoraBatch
+from engine.lora.slots import LoraSlots
 from engine.model_runner import ModelRunner, page_elems
 from engine.page_pool import PagePool
 from engine.request import FinishReason, Request
@@ -34,9 +38,17 @@ class EngineCore:
                              f"pages of {page_bytes} bytes")
         self.pool = PagePool(num_pages)
         self.kv = KVCacheManager(self.pool, cfg.cache.block_size, cfg.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(cfg.scheduler, self.kv)
         self.runner = ModelRunner(cfg, num_pages)
+        self.adapters = self.slots = admission = None
+        if cfg.lora.enable_lora:
+            self.adapters = AdapterManager(cfg.lora, cfg.model, self.pool, self.runner.storage)
+            self.slots = LoraSlots(cfg.lora, cfg.model)
+            self.adapters.on_drop.append(self._adapter_dropped)
+            self.kv.reclaim = self.adapters.evict_idle
+            admission = AdapterAdmission(cfg.lora, self.adapters, self.slots)
+        self.scheduler = Scheduler(cfg.scheduler, self.kv, admission)
         self.requests: dict[str, Request] = {}
+        self.load_errors: dict[str, str] = {}
         log.info("engine ready: model %s (%s), %d pages of %d KiB", cfg.model.name, cfg.model.dtype,
                  num_pages, page_bytes // 1024)
 
@@ -63,13 +75,45 @@ class EngineCore:
         if need > self.pool.num_pages:
             raise ValueError(f"prompt + max_tokens need {need} KV blocks; the pool holds {self.pool.num_pages}")
 
-    def add_request(self, req: GenerateRequest, adapter_id: int = 0) -> None:
+    # -- adapters ---------------------------------------------------------------------------------------
+    def _lora_manager(self) -> AdapterManager:
+        if self.adapters is None:
+            raise ValueError("adapters: LoRA is disabled (enable_lora=False)")
+        return self.adapters
+
+    def register_adapter(self, name: str, path: str, pinned: bool = False) -> None:
+        self._lora_manager().register(name, path, pinned)
+
+    def unregister_adapter(self, name: str) -> None:
+        try:
+            self._lora_manager().unregister(name)
+        except KeyError as e:
+            raise ValueError(str(e.args[0])) from None
+
+    def _adapter_dropped(self, adapter_id: int, unregistered: bool) -> None:
+        self.slots.drop(adapter_id)
+        if unregistered:
+            self.kv.drop_adapter_blocks(adapter_id)
+
+    def adapter_id(self, name: str | None) -> int:
+        """0 for the base model; ValueError naming the adapter when it is unknown."""
+        if name is None:
+            return 0
+        if self.adapters is None or name not in self.adapters.by_name:
+            raise LookupError(f"adapter {name!r} is not registered")
+        return self.adapters.by_name[name].adapter_id
+
+    # -- requests (continued) ---------------------------------------------------------------------------
+    def add_request(self, req: GenerateRequest) -> None:
         self.validate(req)
+        adapter_id = self.adapter_id(req.adapter)
         r = Request(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), params=req.params,
                     max_tokens=self.max_tokens_for(len(req.prompt_token_ids), req.params.max_tokens),
                     eos_token_ids=self.cfg.model.eos_token_ids, adapter_id=adapter_id,
                     cache_salt=req.cache_salt, arrival=time.monotonic())
         self.requests[r.request_id] = r
+        if adapter_id:
+            self.adapters.enqueue(adapter_id)
         self.scheduler.add(r)
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
@@ -86,12 +130,14 @@ class EngineCore:
     # -- stepping ---------------------------------------------------------------------------------------
     def step(self) -> list[TokenOutput]:
         """Schedule, run the model once, and report every request that got a token or finished."""
+        results = self._finish_failed_loads()
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
-        sampled = self.runner.execute(out)
+            if self.adapters is not None:
+                self.adapters.wait_loads()
+            return results
+        sampled = self.runner.execute(out, self._lora_batch(out))
         finished = {id(r) for r in self.scheduler.update(out, sampled)}
-        results = []
         for row, token in sampled.items():
             req = out.requests[row]
             done = id(req) in finished
@@ -100,4 +146,26 @@ class EngineCore:
             if done:
                 self.requests.pop(req.request_id, None)
                 self.runner.sampler.forget(req.request_id)
+        return results
+
+    def _lora_batch(self, out) -> LoraBatch | None:
+        if self.slots is None:
+            return None
+        token_slots, token_adapters = [], []
+        for req, n in zip(out.requests, out.num_new_tokens):
+            slot = self.slots.slot_of[req.adapter_id] if req.adapter_id else -1
+            token_slots.extend([slot] * n)
+            token_adapters.append(req.adapter_id)
+        return LoraBatch.build(self.slots, token_slots, token_adapters)
+
+    def _finish_failed_loads(self) -> list[TokenOutput]:
+        """An adapter whose load failed (e.g. its files changed on disk) fails its waiting requests."""
+        if self.adapters is None:
+            return []
+        results = []
+        for adapter, error in self.adapters.poll():
+            for req in [r for r in self.scheduler.waiting if r.adapter_id == adapter.adapter_id]:
+                self.abort(req.request_id)
+                self.load_errors[req.request_id] = f"adapter {adapter.name!r} failed to load: {error}"
+                results.append(TokenOutput(req.request_id, [], "abort", req.num_prompt_tokens, 0, 0))
         return results

@@ -1,0 +1,282 @@
+"""The adapter registry and its memory tiers: disk -> host cache -> pages of the unified pool.
+
+Invariants:
+- an adapter is RESIDENT when its packed weights fill `pages` (allocated from the shared PagePool);
+- a resident adapter with `active > 0` (running requests) or `pinned` is never evicted; the others are
+  evicted least recently used first, when KV blocks or another adapter need the pages;
+- loads run on a worker thread (disk read, validation, packing, copy into the pages); the pool's
+  accounting is touched only by the engine thread (`poll` finishes loads there).
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from engine.config import LoraConfig, ModelConfig
+from engine.lora.host_adapter import HostAdapter, load_host_adapter
+from engine.lora.layout import PackedLayout, pack, plan_layout
+from engine.lora.peft_config import LoraSpec, read_spec
+from engine.page_pool import PageKind, PagePool
+
+log = logging.getLogger("loraplex.lora")
+
+
+class AdapterState(str, enum.Enum):
+    DISK = "disk"
+    LOADING = "loading"
+    RESIDENT = "resident"
+
+
+@dataclass(eq=False)
+class Adapter:
+    name: str
+    adapter_id: int
+    path: Path
+    spec: LoraSpec
+    layout: PackedLayout
+    pinned: bool = False
+    state: AdapterState = AdapterState.DISK
+    pages: list[int] = field(default_factory=list)
+    active: int = 0          # running requests using the pages
+    queued: int = 0          # requests admitted to the engine and not finished
+    unregistering: bool = False
+    future: Future | None = None
+    error: str | None = None
+
+
+@dataclass
+class AdapterStats:
+    loads: int = 0
+    evictions: int = 0
+    cold_starts: int = 0     # requests that had to wait for their adapter's load
+    hits: int = 0            # requests whose adapter was already resident
+    host_hits: int = 0
+    host_misses: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.cold_starts
+        return self.hits / n if n else 1.0
+
+
+class AdapterManager:
+    def __init__(self, cfg: LoraConfig, model: ModelConfig, pool: PagePool, storage: torch.Tensor):
+        self.cfg = cfg
+        self.model = model
+        self.pool = pool
+        self.storage = storage              # [num_pages, page_elems], shared with the KV cache
+        self.page_elems = storage.shape[1]
+        self.by_name: dict[str, Adapter] = {}
+        self.by_id: dict[int, Adapter] = {}
+        self.lru: OrderedDict[int, None] = OrderedDict()   # resident adapters, least recent first
+        self.host: OrderedDict[int, HostAdapter] = OrderedDict()
+        self.host_lock = threading.Lock()
+        self.stats = AdapterStats()
+        self.on_drop: list = []             # callbacks(adapter_id) when an adapter's weights are gone
+        self._ids = itertools.count(1)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="loraplex-adapter-loader")
+
+    # -- registry ---------------------------------------------------------------------------------------
+    def register(self, name: str, path: str | Path, pinned: bool = False) -> Adapter:
+        """Validate the adapter fully (config and weights) and register it under `name`.
+
+        Registering a name again replaces it: the old adapter is unregistered (its prefix-cache blocks
+        dropped) once its requests finish; new requests get the new weights."""
+        _check_name(name)
+        path = Path(path)
+        spec = read_spec(path)
+        host = load_host_adapter(path, self.model, self.cfg.max_lora_rank, spec)
+        layout = plan_layout(host)
+        need = layout.num_pages(self.page_elems)
+        if pinned and self._pinned_pages() + need + self._largest_pages(need) > self.pool.num_pages:
+            raise ValueError(f"adapter {name!r}: pinning it would leave no room in the pool for another adapter")
+        if need > self.pool.num_pages:
+            raise ValueError(f"adapter {name!r} needs {need} pages; the pool holds {self.pool.num_pages}")
+        old = self.by_name.get(name)
+        if old is not None:
+            self.unregister(name)
+        a = Adapter(name, next(self._ids), path, spec, layout, pinned)
+        self.by_name[name] = a
+        self.by_id[a.adapter_id] = a
+        self._host_put(a.adapter_id, host)
+        if pinned:
+            self.start_load(a)
+        return a
+
+    def unregister(self, name: str) -> None:
+        """Refuse new requests for `name` now; free its pages and host copy when its requests are done."""
+        a = self.by_name.pop(name, None)
+        if a is None:
+            raise KeyError(f"adapter {name!r} is not registered")
+        a.unregistering = True
+        self._maybe_drop(a)
+
+    def lookup(self, name: str) -> Adapter:
+        a = self.by_name.get(name)
+        if a is None:
+            raise KeyError(f"adapter {name!r} is not registered")
+        return a
+
+    def names(self) -> list[str]:
+        return sorted(self.by_name)
+
+    # -- request references -----------------------------------------------------------------------------
+    def enqueue(self, adapter_id: int) -> None:
+        self.by_id[adapter_id].queued += 1
+
+    def dequeue(self, adapter_id: int) -> None:
+        a = self.by_id[adapter_id]
+        a.queued -= 1
+        self._maybe_drop(a)
+
+    def acquire(self, adapter_id: int) -> None:
+        """A request starts running with this (resident) adapter."""
+        a = self.by_id[adapter_id]
+        assert a.state == AdapterState.RESIDENT
+        a.active += 1
+        self.lru.move_to_end(adapter_id)
+
+    def release(self, adapter_id: int) -> None:
+        a = self.by_id[adapter_id]
+        a.active -= 1
+        self._maybe_drop(a)
+
+    def is_resident(self, adapter_id: int) -> bool:
+        return self.by_id[adapter_id].state == AdapterState.RESIDENT
+
+    # -- loading ----------------------------------------------------------------------------------------
+    def start_load(self, a: Adapter, evict_queued: bool = True) -> bool:
+        """Begin moving `a` into the pool (no-op if resident or loading). False if no room now.
+        A prefetch passes evict_queued=False so it never evicts an adapter that queued requests need."""
+        if a.state != AdapterState.DISK:
+            return True
+        need = a.layout.num_pages(self.page_elems)
+        if not self.pool.can_allocate(need):
+            self.evict_idle(need - self.pool.num_free, evict_queued)
+            if not self.pool.can_allocate(need):
+                return False
+        a.pages = self.pool.allocate(need, PageKind.ADAPTER)
+        a.state = AdapterState.LOADING
+        a.future = self._worker.submit(self._load, a.adapter_id, a.path, a.spec, a.layout,
+                                       torch.tensor(a.pages, dtype=torch.long))
+        return True
+
+    def _load(self, adapter_id: int, path: Path, spec: LoraSpec, layout: PackedLayout, pages: torch.Tensor) -> None:
+        # NOTE: runs on the loader thread: touches only the host cache (locked) and this adapter's pages.
+        with self.host_lock:
+            host = self.host.get(adapter_id)
+            if host is not None:
+                self.host.move_to_end(adapter_id)
+        if host is None:
+            self.stats.host_misses += 1
+            host = load_host_adapter(path, self.model, self.cfg.max_lora_rank, spec)
+            self._host_put(adapter_id, host)
+        else:
+            self.stats.host_hits += 1
+        self.storage.index_copy_(0, pages, pack(host, layout, self.page_elems))
+
+    def poll(self) -> list[tuple[Adapter, str]]:
+        """Finish loads whose copy is done; return adapters whose load failed, with the error."""
+        failed = []
+        for a in list(self.by_id.values()):
+            if a.state != AdapterState.LOADING or not a.future.done():
+                continue
+            err = a.future.exception()
+            a.future = None
+            if err is None:
+                a.state = AdapterState.RESIDENT
+                self.lru[a.adapter_id] = None
+                self.stats.loads += 1
+                self._maybe_drop(a)
+            else:
+                self.pool.free(a.pages)
+                a.pages, a.state, a.error = [], AdapterState.DISK, str(err)
+                failed.append((a, str(err)))
+        return failed
+
+    def wait_loads(self) -> None:
+        """Block until every started load is finished (used when nothing else can run)."""
+        for a in list(self.by_id.values()):
+            if a.future is not None:
+                a.future.exception()
+
+    # -- eviction ---------------------------------------------------------------------------------------
+    def evictable(self, a: Adapter) -> bool:
+        return a.state == AdapterState.RESIDENT and a.active == 0 and not a.pinned
+
+    def evict_idle(self, num_pages: int, evict_queued: bool = True) -> int:
+        """Evict idle resident adapters until `num_pages` pages are freed: least recently used first,
+        those no queued request needs before those that one does (only if `evict_queued`)."""
+        freed = 0
+        for pass_queued in (False, True) if evict_queued else (False,):
+            for adapter_id in list(self.lru):
+                a = self.by_id[adapter_id]
+                if freed >= num_pages:
+                    return freed
+                if self.evictable(a) and (a.queued > 0) == pass_queued:
+                    freed += len(a.pages)
+                    self._evict(a)
+        return freed
+
+    def _evict(self, a: Adapter) -> None:
+        self.pool.free(a.pages)
+        a.pages = []
+        a.state = AdapterState.DISK
+        self.lru.pop(a.adapter_id, None)
+        self.stats.evictions += 1
+        for cb in self.on_drop:
+            cb(a.adapter_id, False)
+
+    def _maybe_drop(self, a: Adapter) -> None:
+        """Free every byte of an unregistered adapter once nothing uses it."""
+        if not a.unregistering or a.active or a.queued or a.state == AdapterState.LOADING:
+            return
+        if a.state == AdapterState.RESIDENT:
+            self.pool.free(a.pages)
+            a.pages = []
+            a.state = AdapterState.DISK
+            self.lru.pop(a.adapter_id, None)
+        with self.host_lock:
+            self.host.pop(a.adapter_id, None)
+        self.by_id.pop(a.adapter_id, None)
+        for cb in self.on_drop:
+            cb(a.adapter_id, True)
+
+    # -- host tier --------------------------------------------------------------------------------------
+    def _host_put(self, adapter_id: int, host: HostAdapter) -> None:
+        with self.host_lock:
+            self.host[adapter_id] = host
+            self.host.move_to_end(adapter_id)
+            while len(self.host) > self.cfg.max_cpu_loras or (
+                    len(self.host) > 1 and sum(h.nbytes for h in self.host.values()) > self.cfg.max_cpu_lora_bytes):
+                self.host.popitem(last=False)
+
+    # -- reporting --------------------------------------------------------------------------------------
+    def _pinned_pages(self) -> int:
+        return sum(a.layout.num_pages(self.page_elems) for a in self.by_name.values() if a.pinned)
+
+    def _largest_pages(self, default: int) -> int:
+        return max([a.layout.num_pages(self.page_elems) for a in self.by_name.values()] + [default])
+
+    def tiers(self) -> dict[str, int]:
+        counts = {"resident": 0, "loading": 0, "host": len(self.host), "registered": len(self.by_name)}
+        for a in self.by_id.values():
+            if a.state != AdapterState.DISK:
+                counts[a.state.value] += 1
+        return counts
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True, cancel_futures=True)
+
+
+def _check_name(name: str) -> None:
+    if not name or len(name) > 256 or "/" in name or "\\" in name or name in (".", "..") or "\x00" in name:
+        raise ValueError(f"adapter name {name!r} is invalid (no path separators, '.', '..' or NUL; 1-256 chars)")

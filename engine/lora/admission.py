@@ -1,0 +1,80 @@
+"""Adapter-aware admission for the scheduler.
+
+Rules: at most `max_loras` distinct adapters among running requests (base requests do not count); a
+request runs only once its adapter is resident in the pool and holds a compute slot; requests whose
+adapter is loading wait in the queue without holding anyone up, and their loads are started (prefetched)
+as soon as the scheduler sees them. When the oldest waiting request has been held back by the cap for
+`starvation_steps` steps, no new adapter is admitted until it fits.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.config import LoraConfig
+from engine.lora.adapter_manager import AdapterManager, AdapterState
+from engine.lora.slots import LoraSlots
+from engine.request import Request
+
+
+class AdapterAdmission:
+    def __init__(self, cfg: LoraConfig, adapters: AdapterManager, slots: LoraSlots):
+        self.cfg = cfg
+        self.adapters = adapters
+        self.slots = slots
+        self.running: dict[int, int] = {}     # adapter id -> running requests
+
+    def prefetch(self, req: Request) -> None:
+        if req.adapter_id:
+            a = self.adapters.by_id[req.adapter_id]
+            if a.state == AdapterState.DISK:
+                self.adapters.start_load(a, evict_queued=False)
+
+    def can_admit(self, req: Request, freeze_new: bool) -> bool:
+        """True when `req` may start running now; starts its adapter's load if needed."""
+        aid = req.adapter_id
+        if not aid:
+            return True
+        if aid not in self.running and (len(self.running) >= self.cfg.max_loras or freeze_new):
+            req.blocked_by_cap += 1
+            return False
+        if not self.adapters.is_resident(aid):
+            req.cold_start = True
+            self.adapters.start_load(self.adapters.by_id[aid])
+            return False
+        return self.slots.has(aid) or self.slots.can_assign(set(self.running))
+
+    def admit(self, req: Request) -> None:
+        aid = req.adapter_id
+        if not aid:
+            return
+        if not req.counted:
+            req.counted = True
+            if req.cold_start:
+                self.adapters.stats.cold_starts += 1
+            else:
+                self.adapters.stats.hits += 1
+        a = self.adapters.by_id[aid]
+        self.adapters.acquire(aid)
+        flat = None
+        if not self.slots.has(aid):
+            # read the adapter through its page table into a compute slot
+            flat = self.adapters.storage.index_select(0, torch.tensor(a.pages, dtype=torch.long)).flatten()
+        self.slots.assign(aid, a.layout, flat, set(self.running))
+        self.running[aid] = self.running.get(aid, 0) + 1
+
+    def stop_running(self, req: Request) -> None:
+        """The request leaves the running set (finished or preempted)."""
+        aid = req.adapter_id
+        if not aid:
+            return
+        n = self.running[aid] - 1
+        if n:
+            self.running[aid] = n
+        else:
+            del self.running[aid]
+        self.adapters.release(aid)
+
+    def finished(self, req: Request) -> None:
+        if req.adapter_id:
+            self.adapters.dequeue(req.adapter_id)
+

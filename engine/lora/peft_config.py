@@ -1,0 +1,97 @@
+"""Read and validate a PEFT LoRA `adapter_config.json`.
+
+Everything loraplex cannot apply exactly is refused with a ValueError naming the field; nothing is
+silently ignored.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+# Llama projection -> (group it joins in the fused base layer, input size, output size) by name.
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_PREFIX = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def module_path(layer: int, module: str) -> str:
+    return f"model.layers.{layer}.{_PREFIX[module]}.{module}"
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    r: int
+    lora_alpha: float
+    use_rslora: bool
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+    base_model: str | None
+    target_modules: tuple[str, ...] | None
+    layers: tuple[int, ...] | None
+
+    def expected_modules(self, num_layers: int) -> list[tuple[int, str]]:
+        """(layer, module) pairs the config promises weights for (empty when it names them by regex)."""
+        if self.target_modules is None:
+            return []
+        layers = self.layers if self.layers is not None else range(num_layers)
+        return [(i, m) for i in layers for m in self.target_modules]
+
+    def rank_for(self, path: str) -> int:
+        return _match(self.rank_pattern, path, self.r)
+
+    def scale_for(self, path: str) -> float:
+        r = self.rank_for(path)
+        alpha = _match(self.alpha_pattern, path, self.lora_alpha)
+        return alpha / (r ** 0.5) if self.use_rslora else alpha / r
+
+
+def _match(patterns: dict, path: str, default):
+    # PEFT's rule: a pattern matches a module name that ends with it (as a regex), dot-separated.
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", path):
+            return value
+    return default
+
+
+def read_spec(adapter_dir: str | Path) -> LoraSpec:
+    d = Path(adapter_dir)
+    f = d / "adapter_config.json"
+    if not f.is_file():
+        raise ValueError(f"adapter: {d} has no adapter_config.json (not a PEFT adapter directory)")
+    try:
+        cfg = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"adapter: {f} is not valid JSON: {e}") from None
+    peft_type = str(cfg.get("peft_type", "LORA")).upper()
+    if peft_type != "LORA":
+        raise ValueError(f"adapter: peft_type {peft_type!r} is not supported (only LORA)")
+    if cfg.get("use_dora"):
+        raise ValueError("adapter: use_dora (DoRA) is not supported")
+    if cfg.get("modules_to_save"):
+        raise ValueError(f"adapter: modules_to_save {cfg['modules_to_save']} is not supported")
+    if cfg.get("bias", "none") != "none":
+        raise ValueError(f"adapter: bias {cfg['bias']!r} is not supported (only 'none')")
+    for key in ("layer_replication", "target_parameters", "trainable_token_indices"):
+        if cfg.get(key):
+            raise ValueError(f"adapter: {key} is not supported")
+    targets = cfg.get("target_modules")
+    if isinstance(targets, list):
+        bad = [t for t in targets if t.split(".")[-1] not in MODULES]
+        if bad:
+            raise ValueError(f"adapter: target_modules {bad} are not supported (only {', '.join(MODULES)})")
+        targets = tuple(sorted({t.split(".")[-1] for t in targets}))
+    elif targets == "all-linear":
+        targets = MODULES
+    else:
+        targets = None      # a regex: the weights present say which modules it matched
+    layers = cfg.get("layers_to_transform")
+    layers = (layers,) if isinstance(layers, int) else tuple(layers) if layers else None
+    r = cfg.get("r")
+    if not isinstance(r, int) or r < 1:
+        raise ValueError(f"adapter: r must be a positive integer, got {r!r}")
+    return LoraSpec(r=r, lora_alpha=float(cfg.get("lora_alpha", r)), use_rslora=bool(cfg.get("use_rslora")),
+                    rank_pattern=dict(cfg.get("rank_pattern") or {}),
+                    alpha_pattern={k: float(v) for k, v in (cfg.get("alpha_pattern") or {}).items()},
+                    base_model=cfg.get("base_model_name_or_path"), target_modules=targets, layers=layers)
