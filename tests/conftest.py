@@ -1,6 +1,11 @@
 """Shared fixtures: the default model directory (converted once) and a Hugging Face oracle."""
 from __future__ import annotations
 
+import os
+
+# No GPU here: Triton kernels run in the interpreter on CPU tensors (set before triton is imported).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 

@@ -1,0 +1,173 @@
+"""Triton multi-LoRA kernels that read adapter weights through the page table (S-LoRA unified paging).
+
+Memory model. `pool` is the flat page pool ([num_pages * page_elems], model dtype). Adapter i of the
+batch owns pages `page_table[i, :]`; its flat element e lives at
+    pool[page_table[i, e // page_elems] * page_elems + e % page_elems].
+For one (layer, module), adapter i's A [rank[i], in] starts at flat element a_off[i] and its
+B [out, rank[i]] at b_off[i], both row-major (see engine/lora/layout.py). Ranks differ per adapter.
+
+Semantics (adapter index -1 means "no adapter": the token is left alone):
+    shrink:  v[t, :rank[a_t]]  = x[t] @ A(a_t).T                     v: [T, max_rank] float32
+    expand:  y[t, col:col+out] += scale[a_t] * v[t, :rank[a_t]] @ B(a_t).T
+BGMV (`bgmv_*`) takes one adapter index per token (decode). SGMV (`sgmv_*`) takes segments: tokens
+seg_start[s] .. seg_start[s+1]-1 all use adapter seg_adapter[s] (prefill), and uses tl.dot on tiles.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _paged_masked(pool_ptr, table_ptr, table_stride, adapter, flat, mask, PAGE: tl.constexpr):
+    page = tl.load(table_ptr + adapter * table_stride + flat // PAGE, mask=mask, other=0)
+    return tl.load(pool_ptr + page * PAGE + flat % PAGE, mask=mask, other=0.0)
+
+
+@triton.jit
+def _bgmv_shrink_kernel(x_ptr, v_ptr, pool_ptr, table_ptr, table_stride, a_off_ptr, rank_ptr, idx_ptr,
+                        n_in, x_stride, v_stride, PAGE: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    t = tl.program_id(0)
+    a = tl.load(idx_ptr + t)
+    if a >= 0:
+        r = tl.load(rank_ptr + a)
+        base = tl.load(a_off_ptr + a)
+        rows = tl.arange(0, BLOCK_R)
+        acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for k0 in range(0, n_in, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            xk = tl.load(x_ptr + t * x_stride + ks, mask=ks < n_in, other=0.0).to(tl.float32)
+            flat = base + rows[:, None] * n_in + ks[None, :]
+            m = (rows[:, None] < r) & (ks[None, :] < n_in)
+            w = _paged_masked(pool_ptr, table_ptr, table_stride, a, flat, m, PAGE).to(tl.float32)
+            acc += tl.sum(w * xk[None, :], axis=1)
+        tl.store(v_ptr + t * v_stride + rows, acc, mask=rows < r)
+
+
+@triton.jit
+def _bgmv_expand_kernel(v_ptr, y_ptr, pool_ptr, table_ptr, table_stride, b_off_ptr, rank_ptr, scale_ptr,
+                        idx_ptr, n_out, y_col, v_stride, y_stride, PAGE: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+    t = tl.program_id(0)
+    nb = tl.program_id(1)
+    a = tl.load(idx_ptr + t)
+    if a >= 0:
+        r = tl.load(rank_ptr + a)
+        base = tl.load(b_off_ptr + a)
+        scale = tl.load(scale_ptr + a)
+        js = tl.arange(0, BLOCK_R)
+        ns = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        vj = tl.load(v_ptr + t * v_stride + js, mask=js < r, other=0.0)
+        m = (ns[:, None] < n_out) & (js[None, :] < r)
+        w = _paged_masked(pool_ptr, table_ptr, table_stride, a, base + ns[:, None] * r + js[None, :], m,
+                          PAGE).to(tl.float32)
+        delta = tl.sum(w * vj[None, :], axis=1) * scale
+        ptr = y_ptr + t * y_stride + y_col + ns
+        old = tl.load(ptr, mask=ns < n_out, other=0.0)
+        tl.store(ptr, (old.to(tl.float32) + delta).to(old.dtype), mask=ns < n_out)
+
+
+@triton.jit
+def _sgmv_shrink_kernel(x_ptr, v_ptr, pool_ptr, table_ptr, table_stride, a_off_ptr, rank_ptr, seg_start_ptr,
+                        seg_adapter_ptr, n_in, x_stride, v_stride, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    s = tl.program_id(0)
+    mb = tl.program_id(1)
+    a = tl.load(seg_adapter_ptr + s)
+    start = tl.load(seg_start_ptr + s)
+    end = tl.load(seg_start_ptr + s + 1)
+    if (a >= 0) & (start + mb * BLOCK_M < end):
+        r = tl.load(rank_ptr + a)
+        base = tl.load(a_off_ptr + a)
+        ms = start + mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        js = tl.arange(0, BLOCK_R)
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, n_in, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + ms[:, None] * x_stride + ks[None, :],
+                        mask=(ms[:, None] < end) & (ks[None, :] < n_in), other=0.0).to(tl.float32)
+            m = (ks[:, None] < n_in) & (js[None, :] < r)
+            w_t = _paged_masked(pool_ptr, table_ptr, table_stride, a, base + js[None, :] * n_in + ks[:, None], m,
+                                PAGE).to(tl.float32)                   # A^T tile [BLOCK_K, BLOCK_R]
+            acc += tl.dot(x, w_t)
+        tl.store(v_ptr + ms[:, None] * v_stride + js[None, :], acc, mask=(ms[:, None] < end) & (js[None, :] < r))
+
+
+@triton.jit
+def _sgmv_expand_kernel(v_ptr, y_ptr, pool_ptr, table_ptr, table_stride, b_off_ptr, rank_ptr, scale_ptr,
+                        seg_start_ptr, seg_adapter_ptr, n_out, y_col, v_stride, y_stride, PAGE: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    s = tl.program_id(0)
+    mb = tl.program_id(1)
+    nb = tl.program_id(2)
+    a = tl.load(seg_adapter_ptr + s)
+    start = tl.load(seg_start_ptr + s)
+    end = tl.load(seg_start_ptr + s + 1)
+    if (a >= 0) & (start + mb * BLOCK_M < end):
+        r = tl.load(rank_ptr + a)
+        base = tl.load(b_off_ptr + a)
+        scale = tl.load(scale_ptr + a)
+        ms = start + mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        js = tl.arange(0, BLOCK_R)
+        ns = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        v = tl.load(v_ptr + ms[:, None] * v_stride + js[None, :], mask=(ms[:, None] < end) & (js[None, :] < r),
+                    other=0.0)
+        m = (js[:, None] < r) & (ns[None, :] < n_out)
+        w_t = _paged_masked(pool_ptr, table_ptr, table_stride, a, base + ns[None, :] * r + js[:, None], m,
+                            PAGE).to(tl.float32)                       # B^T tile [BLOCK_R, BLOCK_N]
+        delta = tl.dot(v, w_t) * scale
+        ptr = y_ptr + ms[:, None] * y_stride + y_col + ns[None, :]
+        mask = (ms[:, None] < end) & (ns[None, :] < n_out)
+        old = tl.load(ptr, mask=mask, other=0.0)
+        tl.store(ptr, (old.to(tl.float32) + delta).to(old.dtype), mask=mask)
+
+
+def _block_r(max_rank: int) -> int:
+    return max(16, triton.next_power_of_2(max_rank))
+
+
+def bgmv_shrink(x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor, a_off: torch.Tensor,
+                rank: torch.Tensor, indices: torch.Tensor, max_rank: int, page_elems: int) -> torch.Tensor:
+    """x: [T, in]; indices: [T] adapter per token (-1: none) -> v: [T, max_rank] float32."""
+    T, n_in = x.shape
+    v = torch.zeros(T, max_rank, dtype=torch.float32, device=x.device)
+    _bgmv_shrink_kernel[(T,)](x, v, pool, page_table, page_table.stride(0), a_off, rank, indices, n_in,
+                              x.stride(0), v.stride(0), PAGE=page_elems, BLOCK_R=_block_r(max_rank), BLOCK_K=64)
+    return v
+
+
+def bgmv_expand(v: torch.Tensor, y: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor,
+                b_off: torch.Tensor, rank: torch.Tensor, scale: torch.Tensor, indices: torch.Tensor,
+                y_col: int, n_out: int, page_elems: int) -> None:
+    """v: [T, max_rank]; y: [T, >= y_col + n_out] updated in place in columns [y_col, y_col + n_out)."""
+    T = v.shape[0]
+    grid = (T, triton.cdiv(n_out, 64))
+    _bgmv_expand_kernel[grid](v, y, pool, page_table, page_table.stride(0), b_off, rank, scale, indices, n_out,
+                              y_col, v.stride(0), y.stride(0), PAGE=page_elems, BLOCK_R=_block_r(v.shape[1]),
+                              BLOCK_N=64)
+
+
+def sgmv_shrink(x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor, a_off: torch.Tensor,
+                rank: torch.Tensor, seg_start: torch.Tensor, seg_adapter: torch.Tensor, max_rank: int,
+                max_seg_len: int, page_elems: int, block_m: int = 16) -> torch.Tensor:
+    """x: [T, in]; seg_start: [S + 1]; seg_adapter: [S] -> v: [T, max_rank] float32."""
+    T, n_in = x.shape
+    v = torch.zeros(T, max_rank, dtype=torch.float32, device=x.device)
+    grid = (seg_adapter.shape[0], triton.cdiv(max_seg_len, block_m))
+    _sgmv_shrink_kernel[grid](x, v, pool, page_table, page_table.stride(0), a_off, rank, seg_start, seg_adapter,
+                              n_in, x.stride(0), v.stride(0), PAGE=page_elems, BLOCK_M=block_m,
+                              BLOCK_R=_block_r(max_rank), BLOCK_K=32)
+    return v
+
+
+def sgmv_expand(v: torch.Tensor, y: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor,
+                b_off: torch.Tensor, rank: torch.Tensor, scale: torch.Tensor, seg_start: torch.Tensor,
+                seg_adapter: torch.Tensor, y_col: int, n_out: int, max_seg_len: int, page_elems: int,
+                block_m: int = 16) -> None:
+    """v: [T, max_rank]; y: [T, >= y_col + n_out] updated in place."""
+    grid = (seg_adapter.shape[0], triton.cdiv(max_seg_len, block_m), triton.cdiv(n_out, 64))
+    _sgmv_expand_kernel[grid](v, y, pool, page_table, page_table.stride(0), b_off, rank, scale, seg_start,
+                              seg_adapter, n_out, y_col, v.stride(0), y.stride(0), PAGE=page_elems,
+                              BLOCK_M=block_m, BLOCK_R=_block_r(v.shape[1]), BLOCK_N=64)
