@@ -17,12 +17,32 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-loras", type=int, default=None, help="distinct adapters in one step")
+    p.add_argument("--max-lora-rank", type=int, default=None)
+    p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in the host-memory tier")
+    p.add_argument("--adapter-dir", default=None,
+                   help="register every subfolder holding a PEFT adapter under the folder's name")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    names = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "block_size", "max_model_len")
+    names = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "block_size", "max_model_len",
+             "max_loras", "max_lora_rank", "max_cpu_loras")
     kw = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     return dict(model=args.model, dtype=args.dtype, **kw)
+
+
+def register_adapter_dir(engine, adapter_dir: str) -> list[str]:
+    """Register every subfolder of `adapter_dir` holding adapter_config.json, under its folder name."""
+    from pathlib import Path
+    root = Path(adapter_dir)
+    if not root.is_dir():
+        raise ValueError(f"--adapter-dir: {adapter_dir} is not a directory")
+    names = []
+    for sub in sorted(root.iterdir()):
+        if (sub / "adapter_config.json").is_file():
+            engine.register_adapter(sub.name, str(sub))
+            names.append(sub.name)
+    return names
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -31,10 +51,12 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, stop=args.stop or [], ignore_eos=args.ignore_eos)
     llm = LLM(**engine_kwargs(args))
+    if args.adapter_dir:
+        register_adapter_dir(llm.engine, args.adapter_dir)
     if args.chat:
-        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+        out = llm.chat([{"role": "user", "content": args.prompt}], params, adapter=args.adapter)[0]
     else:
-        out = llm.generate(args.prompt, params)[0]
+        out = llm.generate(args.prompt, params, adapter=args.adapter)[0]
     if args.json:
         print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}))
     else:
@@ -57,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, finish_reason")
+    g.add_argument("--adapter", default=None, help="name of a registered adapter to generate with")
     g.set_defaults(func=_generate)
     return parser
 
@@ -67,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ValueError as e:
+    except (ValueError, LookupError) as e:
         print(f"loraplex: error: {e}", file=sys.stderr)
         return 2
 

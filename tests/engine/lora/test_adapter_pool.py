@@ -1,0 +1,133 @@
+"""The adapter tiers over the unified page pool: loads, LRU eviction, pinning, unregister, churn."""
+import random
+
+import pytest
+import torch
+
+from engine.config import LoraConfig
+from engine.lora.adapter_manager import AdapterManager, AdapterState
+from engine.lora.layout import unpack_module
+from engine.page_pool import PageKind, PagePool
+from tests.engine.lora.synthetic import TINY, write_adapter
+
+PAGE = 512
+
+
+def manager(num_pages, **cfg):
+    pool = PagePool(num_pages)
+    storage = torch.zeros(num_pages, PAGE)
+    return AdapterManager(LoraConfig(**cfg), TINY, pool, storage), pool
+
+
+def load(m, a):
+    assert m.start_load(a)
+    m.wait_loads()
+    assert not m.poll()
+    assert a.state == AdapterState.RESIDENT
+
+
+def test_pages_hold_the_weights_without_rank_padding(tmp_path):
+    m, pool = manager(64)
+    a = m.register("a", write_adapter(tmp_path / "a", r=3, targets=("q_proj", "down_proj")))
+    load(m, a)
+    assert a.layout.num_elems == 2 * (3 * (32 + 32) + 3 * (64 + 32))
+    assert len(a.pages) == -(-a.layout.num_elems // PAGE)
+    flat = m.storage[torch.tensor(a.pages)].flatten()
+    host = m.host[a.adapter_id]
+    for key, s in a.layout.modules.items():
+        A, B = unpack_module(flat, s)
+        assert torch.equal(A, host.modules[key].a) and torch.equal(B, host.modules[key].b)
+    assert pool.usage()["adapter"] == len(a.pages)
+
+
+def test_lru_eviction_spares_active_and_pinned(tmp_path):
+    m, pool = manager(6)
+    ads = [m.register(n, write_adapter(tmp_path / n, r=4, seed=i)) for i, n in enumerate("abc")]
+    assert ads[0].layout.num_pages(PAGE) == 2
+    for a in ads:
+        load(m, a)
+    m.enqueue(ads[0].adapter_id)
+    m.acquire(ads[0].adapter_id)              # a is running
+    d = m.register("d", write_adapter(tmp_path / "d", r=4, seed=9))
+    load(m, d)                                # evicts b (least recent idle), not a
+    assert ads[1].state == AdapterState.DISK and ads[0].state == AdapterState.RESIDENT
+    assert m.stats.evictions == 1
+    m.release(ads[0].adapter_id)
+    m.dequeue(ads[0].adapter_id)
+    p1 = m.register("p1", write_adapter(tmp_path / "p1", r=4, seed=3), pinned=True)
+    p2 = m.register("p2", write_adapter(tmp_path / "p2", r=4, seed=4), pinned=True)
+    m.wait_loads()
+    m.poll()
+    assert p1.state == p2.state == AdapterState.RESIDENT
+    with pytest.raises(ValueError, match="pinning"):      # would leave no room for one more adapter
+        m.register("p3", write_adapter(tmp_path / "p3", r=4, seed=5), pinned=True)
+    assert m.evict_idle(100) == 2 and p1.pages and p2.pages  # only the unpinned idle one goes
+
+
+def test_unregister_waits_for_requests_then_frees_everything(tmp_path):
+    m, pool = manager(16)
+    a = m.register("a", write_adapter(tmp_path / "a", r=4))
+    load(m, a)
+    m.enqueue(a.adapter_id)
+    m.acquire(a.adapter_id)
+    m.unregister("a")
+    assert "a" not in m.by_name and a.pages            # still in use: kept
+    with pytest.raises(KeyError):
+        m.lookup("a")
+    m.release(a.adapter_id)
+    m.dequeue(a.adapter_id)
+    assert not a.pages and pool.num_free == 16 and a.adapter_id not in m.by_id and not m.host
+
+
+def test_ten_thousand_random_cycles_keep_accounting_exact(tmp_path):
+    rng = random.Random(0)
+    dirs = [write_adapter(tmp_path / f"src{i}", r=rng.choice([1, 2, 4, 8, 16]), seed=i,
+                          targets=rng.choice([("q_proj",), ("q_proj", "v_proj"), ("gate_proj", "down_proj")]))
+            for i in range(12)]
+    m, pool = manager(40, max_cpu_loras=4)
+    kv_blocks: list[list[int]] = []
+    running: list[int] = []
+    for step in range(10_000):
+        op = rng.random()
+        names = list(m.by_name)
+        if op < 0.15 or not names:
+            m.register(f"n{rng.randrange(20)}", rng.choice(dirs), pinned=False)
+        elif op < 0.25:
+            m.unregister(rng.choice(names))
+        elif op < 0.55:
+            a = m.lookup(rng.choice(names))
+            need = a.layout.num_pages(PAGE)
+            enough = pool.num_free + sum(len(x.pages) for x in m.by_id.values() if m.evictable(x)) >= need
+            ok = m.start_load(a)
+            assert ok or not enough, "load refused while enough pages were free or evictable"
+            m.wait_loads()
+            assert not m.poll()
+            if ok and rng.random() < 0.5:
+                m.enqueue(a.adapter_id)
+                m.acquire(a.adapter_id)
+                running.append(a.adapter_id)
+        elif op < 0.75 and running:
+            aid = running.pop(rng.randrange(len(running)))
+            m.release(aid)
+            m.dequeue(aid)
+        elif op < 0.9:
+            n = rng.randint(1, 4)
+            if not pool.can_allocate(n):
+                m.evict_idle(n - pool.num_free)
+            if pool.can_allocate(n):
+                kv_blocks.append(pool.allocate(n, PageKind.KV))
+        elif kv_blocks:
+            pool.free(kv_blocks.pop(rng.randrange(len(kv_blocks))))
+        held = sum(len(a.pages) for a in m.by_id.values())
+        assert pool.num_free + held + sum(map(len, kv_blocks)) == pool.num_pages, step
+        assert len(m.host) <= 4
+    for aid in running:
+        m.release(aid)
+        m.dequeue(aid)
+    for name in list(m.by_name):
+        m.unregister(name)
+    for blocks in kv_blocks:
+        pool.free(blocks)
+    assert pool.num_free == pool.num_pages and sum(pool.ref_count) == 0
+    assert not m.by_id and not m.host and not m.lru
+    assert m.stats.loads > 100 and m.stats.evictions > 100

@@ -1,0 +1,71 @@
+"""The LoRA API of the offline engine: registry at run time, cap, prefix cache, CLI."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from tests.engine.lora.test_fidelity import peft_greedy
+from tests.peft_adapters import FIDELITY_ADAPTERS
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(adapter_dir):
+    d, _ = adapter_dir
+    llm = LLM(dtype="float32", max_loras=2, max_num_batched_tokens=256)
+    for name in FIDELITY_ADAPTERS:
+        llm.register_adapter(name, str(d / name))
+    return llm
+
+
+def test_unknown_adapter_is_refused_and_engine_keeps_serving(llm):
+    with pytest.raises(LookupError, match="nope"):
+        llm.generate("Hello", GREEDY, adapter="nope")
+    assert llm.generate("Hello", GREEDY)[0].token_ids
+
+
+def test_cap_with_many_adapters_and_base_requests_finishes(llm):
+    names = list(FIDELITY_ADAPTERS) * 2 + [None] * 6
+    outs = llm.generate(["Tell me about rivers."] * len(names), GREEDY, adapter=names)
+    assert all(len(o.token_ids) == 8 for o in outs)
+    assert llm.engine.adapters.stats.cold_starts >= 1
+    assert llm.engine.pool.usage()["kv"] == 0
+
+
+def test_reregister_with_new_weights_drops_prefix_blocks(llm, adapter_dir):
+    d, _ = adapter_dir
+    prompt = "A shared prefix that is long enough to fill a few blocks of the cache. " * 3
+    first = llm.generate(prompt, GREEDY, adapter="r4-qv")[0]
+    again = llm.generate(prompt, GREEDY, adapter="r4-qv")[0]
+    assert again.num_cached_tokens > 0 and again.token_ids == first.token_ids
+    llm.register_adapter("r4-qv", str(d / "r8-all"))          # same name, new weights
+    swapped = llm.generate(prompt, GREEDY, adapter="r4-qv")[0]
+    assert swapped.num_cached_tokens == 0
+    assert swapped.token_ids == llm.generate(prompt, GREEDY, adapter="r8-all")[0].token_ids
+    llm.register_adapter("r4-qv", str(d / "r4-qv"))
+
+
+def test_unregister_frees_pages_and_refuses_new_requests(llm, adapter_dir):
+    d, _ = adapter_dir
+    llm.register_adapter("temp", str(d / "r16-attn"))
+    llm.generate("Hi", GREEDY, adapter="temp")
+    pages_before = llm.engine.pool.usage()["adapter"]
+    llm.unregister_adapter("temp")
+    assert llm.engine.pool.usage()["adapter"] < pages_before
+    assert "temp" not in llm.list_adapters()
+    with pytest.raises(LookupError):
+        llm.generate("Hi", GREEDY, adapter="temp")
+
+
+def test_cli_generate_with_adapter_dir(adapter_dir, tokenizer):
+    d, oracle = adapter_dir
+    r = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--dtype", "float32", "--prompt",
+                        "The weather today is", "--max-tokens", "6", "--ignore-eos", "--adapter-dir", str(d),
+                        "--adapter", "r8-all", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    ids = tokenizer("The weather today is")["input_ids"]
+    assert json.loads(r.stdout)["token_ids"] == peft_greedy(oracle, "r8-all", ids, 6)
