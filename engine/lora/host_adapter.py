@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import load_file
 
 from engine.config import ModelConfig
 from engine.lora.peft_config import MODULES, LoraSpec, module_path, read_spec
@@ -52,27 +53,37 @@ def module_shape(cfg: ModelConfig, module: str) -> tuple[int, int]:
             "o_proj": (cfg.q_size, H), "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}[module]
 
 
-def load_host_adapter(adapter_dir: str | Path, cfg: ModelConfig, max_rank: int,
-                      spec: LoraSpec | None = None) -> HostAdapter:
+def weights_file(adapter_dir: str | Path) -> Path:
     d = Path(adapter_dir)
-    spec = spec or read_spec(d)
     f = d / "adapter_model.safetensors"
     if not f.is_file():
         if (d / "adapter_model.bin").is_file():
             raise ValueError(f"adapter: {d} has only pickled adapter_model.bin; loraplex loads safetensors only")
         raise ValueError(f"adapter: {d} has no adapter_model.safetensors")
+    return f
+
+
+def load_host_adapter(adapter_dir: str | Path, cfg: ModelConfig, max_rank: int,
+                      spec: LoraSpec | None = None, data: bytes | None = None) -> HostAdapter:
+    """Read (or parse `data`, the safetensors file's bytes) and validate an adapter."""
+    d = Path(adapter_dir)
+    spec = spec or read_spec(d)
+    f = weights_file(d)
+    try:
+        tensors = load_safetensors(data) if data is not None else load_file(str(f))
+    except Exception as e:  # noqa: BLE001 - a corrupt file must name itself, whatever the parser raised
+        raise ValueError(f"adapter: {f} is not a valid safetensors file: {e}") from None
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    with safe_open(str(f), framework="pt") as sf:
-        for key in sf.keys():
-            m = _KEY.match(key)
-            if not m:
-                raise ValueError(f"adapter: weight {key!r} is not supported (only LoRA A/B of "
-                                 f"{', '.join(MODULES)}; no embedding or lm_head LoRA)")
-            layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
-            if module not in MODULES or layer >= cfg.num_layers:
-                raise ValueError(f"adapter: weight {key!r} does not fit the base model "
-                                 f"({cfg.num_layers} layers, modules {', '.join(MODULES)})")
-            parts.setdefault((layer, module), {})[ab] = sf.get_tensor(key)
+    for key, tensor in tensors.items():
+        m = _KEY.match(key)
+        if not m:
+            raise ValueError(f"adapter: weight {key!r} is not supported (only LoRA A/B of "
+                             f"{', '.join(MODULES)}; no embedding or lm_head LoRA)")
+        layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
+        if module not in MODULES or layer >= cfg.num_layers:
+            raise ValueError(f"adapter: weight {key!r} does not fit the base model "
+                             f"({cfg.num_layers} layers, modules {', '.join(MODULES)})")
+        parts.setdefault((layer, module), {})[ab] = tensor
     if not parts:
         raise ValueError(f"adapter: {f} holds no LoRA weights")
     missing = sorted(set(spec.expected_modules(cfg.num_layers)) - set(parts))

@@ -3,11 +3,12 @@
 The page pool is the adapters' home (no rank padding); a slot is a copy of one resident adapter, read
 from its pages through the page table when the adapter starts running, laid out so every layer's LoRA
 is a few batched matmuls over slots. Rows past an adapter's rank are zero; B is pre-multiplied by the
-module's scale. Per layer l (R = max_lora_rank, S = max_loras):
-    a_qkv[l]: [S, 3, R, H]   b_q[l]: [S, q, R]   b_k[l], b_v[l]: [S, kv, R]
-    a_o[l]:   [S, 1, R, q]   b_o[l]: [S, H, R]
-    a_gu[l]:  [S, 2, R, H]   b_g[l], b_u[l]: [S, I, R]
-    a_d[l]:   [S, 1, R, I]   b_d[l]: [S, H, R]
+module's scale. Per layer l (R = max_lora_rank, S = max_loras), A rows are rank-major so that
+a[l, s, :r] is one contiguous [r * g, in] matrix for any r <= R:
+    a_qkv[l]: [S, R, 3, H]   b_q[l]: [S, q, R]   b_k[l], b_v[l]: [S, kv, R]
+    a_o[l]:   [S, R, 1, q]   b_o[l]: [S, H, R]
+    a_gu[l]:  [S, R, 2, H]   b_g[l], b_u[l]: [S, I, R]
+    a_d[l]:   [S, R, 1, I]   b_d[l]: [S, H, R]
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from collections import OrderedDict
 import torch
 
 from engine.config import LoraConfig, ModelConfig
+from engine.memory import huge_zeros
 from engine.lora.layout import PackedLayout, unpack_module
 
 # group -> (A buffer, index inside it, B buffer) per module
@@ -27,10 +29,10 @@ SLOT_OF_MODULE = {"q_proj": ("a_qkv", 0, "b_q"), "k_proj": ("a_qkv", 1, "b_k"), 
 class LoraSlots:
     def __init__(self, lora: LoraConfig, m: ModelConfig):
         S, R, L, H, I = lora.max_loras, lora.max_lora_rank, m.num_layers, m.hidden_size, m.intermediate_size
-        z = lambda *shape: torch.zeros(L, S, *shape, dtype=m.dtype)   # noqa: E731
-        self.buf = {"a_qkv": z(3, R, H), "b_q": z(m.q_size, R), "b_k": z(m.kv_size, R), "b_v": z(m.kv_size, R),
-                    "a_o": z(1, R, m.q_size), "b_o": z(H, R), "a_gu": z(2, R, H), "b_g": z(I, R), "b_u": z(I, R),
-                    "a_d": z(1, R, I), "b_d": z(H, R)}
+        z = lambda *shape: huge_zeros(L, S, *shape, dtype=m.dtype)   # noqa: E731
+        self.buf = {"a_qkv": z(R, 3, H), "b_q": z(m.q_size, R), "b_k": z(m.kv_size, R), "b_v": z(m.kv_size, R),
+                    "a_o": z(R, 1, m.q_size), "b_o": z(H, R), "a_gu": z(R, 2, H), "b_g": z(I, R), "b_u": z(I, R),
+                    "a_d": z(R, 1, I), "b_d": z(H, R)}
         self.num_slots = S
         self.slot_of: dict[int, int] = {}
         self.rank_of: dict[int, int] = {}
@@ -60,7 +62,7 @@ class LoraSlots:
         for (layer, module), s in layout.modules.items():
             a, b = unpack_module(flat, s)
             a_name, idx, b_name = SLOT_OF_MODULE[module]
-            self.buf[a_name][layer, slot, idx, : s.rank].copy_(a)
+            self.buf[a_name][layer, slot, : s.rank, idx].copy_(a)
             self.buf[b_name][layer, slot, :, : s.rank].copy_(b * s.scale)
         self.slot_of[adapter_id] = slot
         self.rank_of[adapter_id] = max(s.rank for s in layout.modules.values())
