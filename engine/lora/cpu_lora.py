@@ -2,9 +2,8 @@
 
 Tokens are grouped by slot once per step (`LoraBatch.build`); every layer then runs, per bucket of
 slots, one shrink matmul per fused group and one expand matmul per module, with no loop over adapters.
-Slots with few tokens (decodes) form one bucket read as a contiguous range of the slot buffers; slots
-with many tokens (prefill segments) form another, gathered, so short and long segments are not padded
-to each other.
+Slots are bucketed by their token count (1, <= 4, <= 16, more) so that a bucket pads each slot's tokens
+to at most a few times their number; a dense run of slots is read in place, a sparse one gathered.
 """
 from __future__ import annotations
 
@@ -15,11 +14,11 @@ import torch
 from engine.config import ModelConfig
 from engine.lora.slots import LoraSlots
 
-SMALL_SEGMENT = 8
+BUCKET_LIMITS = (1, 8)
 
-# fused group -> (A buffer, B buffers in output order)
-GROUPS = {"qkv": ("a_qkv", ("b_q", "b_k", "b_v")), "o": ("a_o", ("b_o",)),
-          "gate_up": ("a_gu", ("b_g", "b_u")), "down": ("a_d", ("b_d",))}
+# fused group -> (A buffer, B buffers in output order, the projections they hold)
+GROUPS = {"qkv": ("a_qkv", ("b_q", "b_k", "b_v"), ("q_proj", "k_proj", "v_proj")), "o": ("a_o", ("b_o",), ("o_proj",)),
+          "gate_up": ("a_gu", ("b_g", "b_u"), ("gate_proj", "up_proj")), "down": ("a_d", ("b_d",), ("down_proj",))}
 
 
 @dataclass
@@ -33,10 +32,12 @@ class Bucket:
 class LoraBatch:
     """Implements the model's LoraHook for one step."""
 
-    def __init__(self, slots: LoraSlots, buckets: list[Bucket], rank: int):
+    def __init__(self, slots: LoraSlots, buckets: list[Bucket], rank: int, modules: frozenset[str]):
         self.buf = slots.buf
         self.buckets = buckets
         self.rank = rank
+        # groups no active adapter targets are skipped entirely
+        self.groups = {g for g, (_, _, mods) in GROUPS.items() if modules.intersection(mods)}
 
     @classmethod
     def build(cls, slots: LoraSlots, token_slots: list[int], token_adapters: list[int]) -> "LoraBatch | None":
@@ -47,14 +48,19 @@ class LoraBatch:
                 per_slot.setdefault(s, []).append(t)
         if not per_slot:
             return None
-        rank = max(slots.rank_of[a] for a in set(token_adapters) if a > 0)
-        small = sorted(s for s, toks in per_slot.items() if len(toks) <= SMALL_SEGMENT)
-        large = sorted(s for s, toks in per_slot.items() if len(toks) > SMALL_SEGMENT)
-        buckets = [_bucket(group, per_slot) for group in (small, large) if group]
-        return cls(slots, buckets, rank)
+        active = {a for a in token_adapters if a > 0}
+        rank = max(slots.rank_of[a] for a in active)
+        modules = frozenset().union(*(slots.modules_of[a] for a in active))
+        groups: dict[int, list[int]] = {}
+        for s, toks in sorted(per_slot.items()):
+            cls_ = next((i for i, lim in enumerate(BUCKET_LIMITS) if len(toks) <= lim), len(BUCKET_LIMITS))
+            groups.setdefault(cls_, []).append(s)
+        return cls(slots, [_bucket(g, per_slot) for g in groups.values()], rank, modules)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        a_name, b_names = GROUPS[group]
+        if group not in self.groups:
+            return
+        a_name, b_names, _ = GROUPS[group]
         r, g = self.rank, len(b_names)
         for bk in self.buckets:
             sb, tb = bk.tokens.shape
@@ -62,10 +68,16 @@ class LoraBatch:
             a = self.buf[a_name][layer, bk.slots][:, :r]                                # [Sb, r, g, in]
             # NOTE: x @ A^T (weights as the transposed operand) streams A about twice as fast as A @ x^T.
             v = torch.bmm(xp, a.flatten(1, 2).transpose(1, 2)).view(sb, tb, r, g)       # [Sb, Tb, r, g]
-            outs = [torch.bmm(self.buf[b][layer, bk.slots][:, :, :r], v[..., i].transpose(1, 2))  # [Sb, out_i, Tb]
-                    for i, b in enumerate(b_names)]
-            out = outs[0] if g == 1 else torch.cat(outs, dim=1)                         # [Sb, out, Tb]
-            out = torch.index_select(out.transpose(1, 2).reshape(sb * tb, -1), 0, bk.valid)  # [n_valid, out]
+            if tb == 1:
+                # B @ v streams B fastest for one token per slot; [Sb, out, 1] is already row layout.
+                outs = [torch.bmm(self.buf[b][layer, bk.slots][:, :, :r], v[..., i].transpose(1, 2))
+                        for i, b in enumerate(b_names)]                                 # [Sb, out_i, 1]
+                out = outs[0] if g == 1 else torch.cat(outs, dim=1)
+            else:
+                outs = [torch.bmm(v[..., i], self.buf[b][layer, bk.slots][:, :, :r].transpose(1, 2))
+                        for i, b in enumerate(b_names)]                                 # [Sb, Tb, out_i]
+                out = outs[0] if g == 1 else torch.cat(outs, dim=2)
+            out = torch.index_select(out.reshape(sb * tb, -1), 0, bk.valid)            # [n_valid, out]
             # NOTE: targets are distinct within a bucket, so gather-add-scatter is exact (and much faster
             # than index_add_ on CPU).
             y.index_copy_(0, bk.targets, torch.index_select(y, 0, bk.targets) + out)

@@ -36,6 +36,7 @@ class LoraSlots:
         self.num_slots = S
         self.slot_of: dict[int, int] = {}
         self.rank_of: dict[int, int] = {}
+        self.modules_of: dict[int, frozenset[str]] = {}   # projections the adapter has weights for
         self.lru: OrderedDict[int, None] = OrderedDict()   # adapter ids holding slots, least recent first
 
     def has(self, adapter_id: int) -> bool:
@@ -56,6 +57,7 @@ class LoraSlots:
             victim = next(a for a in self.lru if a not in busy)
             slot = self.slot_of.pop(victim)
             self.rank_of.pop(victim)
+            self.modules_of.pop(victim)
             del self.lru[victim]
         for buf in self.buf.values():
             buf[:, slot].zero_()
@@ -66,6 +68,7 @@ class LoraSlots:
             self.buf[b_name][layer, slot, :, : s.rank].copy_(b * s.scale)
         self.slot_of[adapter_id] = slot
         self.rank_of[adapter_id] = max(s.rank for s in layout.modules.values())
+        self.modules_of[adapter_id] = frozenset(module for _, module in layout.modules)
         self.lru[adapter_id] = None
         return slot
 
@@ -73,4 +76,5 @@ class LoraSlots:
         slot = self.slot_of.pop(adapter_id, None)
         if slot is not None:
             self.rank_of.pop(adapter_id)
+            self.modules_of.pop(adapter_id)
             del self.lru[adapter_id]
