@@ -64,6 +64,35 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from frontends.launcher import serve
+    kwargs = engine_kwargs(args)
+    if args.adapter_dir:
+        kwargs.pop("adapter_dir", None)
+    return serve(kwargs, args.adapter_dir, args.host, args.port, args.frontends, args.api_key)
+
+
+def _apply_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
+    """--config FILE (TOML): its keys become defaults of the subcommand; flags given win."""
+    import tomllib
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    if not known.config:
+        return
+    try:
+        data = tomllib.loads(open(known.config).read())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise SystemExit(f"loraplex: error: --config {known.config}: {e}")
+    sub = parser._subparsers._group_actions[0].choices
+    for name, sp in sub.items():
+        valid = {a.dest for a in sp._actions}
+        unknown = sorted(set(k.replace("-", "_") for k in data) - valid)
+        if unknown and name == "serve":
+            raise SystemExit(f"loraplex: error: --config {known.config}: unknown setting(s) {', '.join(unknown)}")
+        sp.set_defaults(**{k.replace("-", "_"): v for k, v in data.items() if k.replace("-", "_") in valid})
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="loraplex", description="Serve many LoRA adapters on one base LLM.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,13 +110,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, finish_reason")
     g.add_argument("--adapter", default=None, help="name of a registered adapter to generate with")
     g.set_defaults(func=_generate)
+    s = sub.add_parser("serve", help="start the OpenAI-compatible server (one engine, N frontends)")
+    _engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    s.add_argument("--frontends", type=int, default=2, help="HTTP frontend processes sharing the port")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    s.add_argument("--config", default=None, help="TOML file of settings (flags win)")
+    s.set_defaults(func=_serve)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    _apply_config(parser, argv)
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, LookupError) as e:

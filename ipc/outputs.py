@@ -17,6 +17,7 @@ class RequestOutput(msgspec.Struct, tag="out", **_STRUCT):
     completion_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    status: int = 0          # with `error`: the HTTP status it maps to (400 bad input, 404 unknown adapter)
 
 
 class AdapterReply(msgspec.Struct, tag="adapter", **_STRUCT):
@@ -26,7 +27,17 @@ class AdapterReply(msgspec.Struct, tag="adapter", **_STRUCT):
     adapters: list[str] = []
 
 
-EngineOutput = RequestOutput | AdapterReply
+class EngineStatus(msgspec.Struct, tag="status", **_STRUCT):
+    """Sent to every frontend about once a second and after adapter changes: a heartbeat."""
+    model: str
+    model_path: str
+    max_model_len: int
+    adapters: list[str]
+    running: int = 0
+    waiting: int = 0
+
+
+EngineOutput = RequestOutput | AdapterReply | EngineStatus
 _decoder = msgspec.msgpack.Decoder(list[EngineOutput])
 _encoder = msgspec.msgpack.Encoder()
 

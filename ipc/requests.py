@@ -12,12 +12,14 @@ _STRUCT = dict(array_like=True, omit_defaults=True, gc=False, tag_field="t")
 
 
 class GenerateRequest(msgspec.Struct, tag="gen", **_STRUCT):
-    """Generate from `prompt_token_ids` with the named adapter (None: the base model)."""
+    """Generate from `prompt_token_ids` with the named adapter (None: the base model).
+    `stream`: send each new piece of text as it is ready (else only the final output)."""
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     adapter: str | None = None
     cache_salt: str | None = None
+    stream: bool = True
 
 
 class AbortRequest(msgspec.Struct, tag="abort", **_STRUCT):
@@ -33,7 +35,12 @@ class AdapterCommand(msgspec.Struct, tag="adapter", **_STRUCT):
     pinned: bool = False
 
 
-EngineRequest = GenerateRequest | AbortRequest | AdapterCommand
+class Hello(msgspec.Struct, tag="hello", **_STRUCT):
+    """A frontend announces itself; the engine answers with an EngineStatus and keeps it updated."""
+    frontend_id: str
+
+
+EngineRequest = GenerateRequest | AbortRequest | AdapterCommand | Hello
 _decoder = msgspec.msgpack.Decoder(EngineRequest)
 _encoder = msgspec.msgpack.Encoder()
 

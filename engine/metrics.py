@@ -1,0 +1,47 @@
+"""Prometheus metrics shared by the engine and frontend processes.
+
+The launcher points PROMETHEUS_MULTIPROC_DIR at one directory for all processes, so a scrape of any
+frontend aggregates every process's figures (prometheus_client's multiprocess mode).
+"""
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+# engine process
+RUNNING = Gauge("loraplex_requests_running", "Requests running in the engine", multiprocess_mode="mostrecent")
+WAITING = Gauge("loraplex_requests_waiting", "Requests waiting in the engine", multiprocess_mode="mostrecent")
+POOL_PAGES = Gauge("loraplex_pool_pages", "Pages of the unified pool by kind", ["kind"],
+                   multiprocess_mode="mostrecent")
+ADAPTERS = Gauge("loraplex_adapters", "Adapters per tier", ["tier"], multiprocess_mode="mostrecent")
+ADAPTER_LOADS = Counter("loraplex_adapter_loads", "Adapter loads into the pool")
+ADAPTER_EVICTIONS = Counter("loraplex_adapter_evictions", "Adapters evicted from the pool")
+ADAPTER_COLD_STARTS = Counter("loraplex_adapter_cold_starts", "Requests that waited for their adapter to load")
+PREEMPTIONS = Counter("loraplex_preemptions", "Requests preempted when the pool ran out")
+GENERATED_TOKENS = Counter("loraplex_generation_tokens", "Tokens generated")
+
+# frontend processes
+TTFT = Histogram("loraplex_time_to_first_token_seconds", "Time to first token", buckets=_LAT)
+ITL = Histogram("loraplex_inter_token_latency_seconds", "Time between streamed tokens", buckets=_LAT)
+E2E = Histogram("loraplex_e2e_request_latency_seconds", "End-to-end request latency", buckets=_LAT)
+REQUESTS = Counter("loraplex_requests", "Finished requests by adapter (top adapters by name, the rest 'other')",
+                   ["adapter", "finish_reason"])
+
+TOP_ADAPTER_LABELS = 20
+
+
+class AdapterLabels:
+    """Bounded label values: the first TOP_ADAPTER_LABELS adapter names get their own label."""
+
+    def __init__(self, limit: int = TOP_ADAPTER_LABELS):
+        self.limit = limit
+        self.known: set[str] = set()
+
+    def __call__(self, name: str | None) -> str:
+        if name is None:
+            return "base"
+        if name in self.known or len(self.known) < self.limit:
+            self.known.add(name)
+            return name
+        return "other"

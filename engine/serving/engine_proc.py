@@ -1,0 +1,261 @@
+"""The engine process: one uvloop event loop whose actors exchange msgspec messages over queues.
+
+Actors (asyncio tasks):
+  receive   ZMQ ROUTER <- every frontend: requests, aborts, adapter commands      -> inbox
+  step      applies the inbox between steps, runs EngineCore.step in the engine thread  -> outbox
+  detok     token outputs -> text deltas (incremental, stop strings)               -> send queue
+  send      -> ZMQ ROUTER: each output only to the frontend that asked; heartbeats to all
+The forward pass and every torch op run on one dedicated engine thread, so the loop keeps receiving and
+sending while a step computes. Bad input is answered with an error output; the engine keeps serving.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engine import envs
+from engine.core.engine_core import EngineCore
+from engine.output_processor import OutputProcessor
+from engine.request import FinishReason
+from engine.serving.adapter_dir import resolve_adapter_dir
+from engine.serving.engine_stats import EngineStatsPublisher
+from ipc.outputs import AdapterReply, EngineStatus, RequestOutput, encode_outputs
+from ipc.requests import AbortRequest, AdapterCommand, GenerateRequest, Hello, decode_request
+
+log = logging.getLogger("loraplex.engine")
+
+
+class AsyncEngine:
+    def __init__(self, engine_kwargs: dict, address: str, adapter_dir: str | None):
+        self.kwargs = engine_kwargs
+        self.address = address
+        self.adapter_dir = adapter_dir
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="loraplex-engine")
+        self.inbox: asyncio.Queue = asyncio.Queue()
+        self.send_q: asyncio.Queue = asyncio.Queue()
+        self.owner: dict[str, bytes] = {}          # request id -> frontend identity
+        self.stream: dict[str, bool] = {}
+        self.pending: dict[str, RequestOutput] = {}  # non-streaming requests: accumulated output
+        self.frontends: set[bytes] = set()
+        self.wakeup = asyncio.Event()
+        self.stopping = False
+
+    # -- set-up -----------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        from engine.config import EngineConfig
+        from engine.tokenizer import load_tokenizer
+
+        def build():
+            cfg = EngineConfig.create(**self.kwargs)
+            return EngineCore(cfg), load_tokenizer(cfg.model.path)
+        self.core, tok = await self._run(build)
+        self.processor = OutputProcessor(tok)
+        self.stats = EngineStatsPublisher(self.core)
+        if self.adapter_dir:
+            from engine.cli import register_adapter_dir
+            names = await self._run(register_adapter_dir, self.core, self.adapter_dir)
+            log.info("registered %d adapters from %s", len(names), self.adapter_dir)
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self.sock.bind(self.address)
+
+    async def _run(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
+
+    async def serve(self) -> None:
+        await self.start()
+        print(json.dumps({"ready": True, "model": self.core.cfg.model.name}), flush=True)
+        tasks = [asyncio.create_task(c) for c in (self.receive(), self.step_loop(), self.send(), self.heartbeat())]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    # -- actors -----------------------------------------------------------------------------------------
+    async def receive(self) -> None:
+        while True:
+            identity, data = await self.sock.recv_multipart()
+            try:
+                msg = decode_request(data)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                log.warning("dropping malformed message from %r: %s", identity, e)
+                continue
+            if isinstance(msg, Hello):
+                self.frontends.add(identity)
+                await self.send_q.put((identity, self.status()))
+                continue
+            await self.inbox.put((identity, msg))
+            self.wakeup.set()
+
+    async def step_loop(self) -> None:
+        while True:
+            while not self.inbox.empty():
+                identity, msg = self.inbox.get_nowait()
+                await self.apply(identity, msg)
+            if not self.core.has_unfinished():
+                self.stats.publish(force=True)
+                self.wakeup.clear()
+                if self.inbox.empty():
+                    await self.wakeup.wait()
+                continue
+            outputs = await self._run(self.core.step)
+            await self.detokenize(outputs)
+            self.stats.publish()
+
+    async def send(self) -> None:
+        while True:
+            identity, msg = await self.send_q.get()
+            batch = [msg]
+            while not self.send_q.empty() and len(batch) < 256:
+                nxt_identity, nxt = self.send_q.get_nowait()
+                if nxt_identity != identity:
+                    await self._send(identity, batch)
+                    identity, batch = nxt_identity, []
+                batch.append(nxt)
+            await self._send(identity, batch)
+
+    async def _send(self, identity: bytes, batch: list) -> None:
+        try:
+            await self.sock.send_multipart([identity, encode_outputs(batch)])
+        except zmq.ZMQError as e:
+            log.warning("could not send to frontend %r: %s", identity, e)
+
+    async def heartbeat(self) -> None:
+        while True:
+            status = self.status()
+            for identity in list(self.frontends):
+                await self.send_q.put((identity, status))
+            await asyncio.sleep(1.0)
+
+    def status(self) -> EngineStatus:
+        s = self.core.scheduler
+        m = self.core.cfg.model
+        return EngineStatus(m.name, m.path, m.max_model_len,
+                            self.core.adapters.names() if self.core.adapters else [], len(s.running), len(s.waiting))
+
+    # -- inputs -----------------------------------------------------------------------------------------
+    async def apply(self, identity: bytes, msg) -> None:
+        if isinstance(msg, GenerateRequest):
+            await self.add(identity, msg)
+        elif isinstance(msg, AbortRequest):
+            for rid in msg.request_ids:
+                if self.owner.get(rid) == identity:
+                    self.core.abort(rid)
+                    self.forget(rid)
+        elif isinstance(msg, AdapterCommand):
+            await self.send_q.put((identity, await self.adapter_command(msg)))
+
+    async def add(self, identity: bytes, req: GenerateRequest) -> None:
+        status = 400
+        try:
+            if req.adapter is not None and self.core.adapters is not None and req.adapter not in self.core.adapters.by_name:
+                status = 404
+                if self.adapter_dir:
+                    path = resolve_adapter_dir(self.adapter_dir, req.adapter)
+                    await self._run(self.core.register_adapter, req.adapter, str(path))
+            status = 400
+            self.core.add_request(req)
+        except LookupError as e:
+            return await self.refuse(identity, req.request_id, str(e.args[0]) if e.args else str(e), 404)
+        except ValueError as e:
+            return await self.refuse(identity, req.request_id, str(e), status)
+        self.owner[req.request_id] = identity
+        self.stream[req.request_id] = req.stream
+        self.processor.add(req.request_id, req.prompt_token_ids, req.params.stop,
+                           req.params.include_stop_str_in_output)
+
+    async def refuse(self, identity: bytes, request_id: str, error: str, status: int) -> None:
+        await self.send_q.put((identity, RequestOutput(request_id, finish_reason="abort", error=error, status=status)))
+
+    async def adapter_command(self, cmd: AdapterCommand) -> AdapterReply:
+        try:
+            if cmd.op == "load":
+                path = cmd.path or (str(resolve_adapter_dir(self.adapter_dir, cmd.name)) if self.adapter_dir else "")
+                if not path:
+                    raise ValueError("lora_path is required (the server has no --adapter-dir)")
+                await self._run(self.core.register_adapter, cmd.name, path, cmd.pinned)
+            elif cmd.op == "unload":
+                self.core.unregister_adapter(cmd.name)
+            elif cmd.op != "list":
+                raise ValueError(f"unknown adapter op {cmd.op!r}")
+        except (ValueError, LookupError, OSError) as e:
+            return AdapterReply(cmd.command_id, False, str(e.args[0]) if e.args else str(e))
+        status = self.status()
+        for identity in self.frontends:
+            await self.send_q.put((identity, status))
+        return AdapterReply(cmd.command_id, True, adapters=status.adapters)
+
+    # -- outputs ----------------------------------------------------------------------------------------
+    async def detokenize(self, outputs) -> None:
+        deltas, stopped = self.processor.process(outputs)
+        for rid in stopped:
+            self.core.abort(rid, FinishReason.STOP)
+        for d in deltas:
+            identity = self.owner.get(d.request_id)
+            if identity is None:
+                continue
+            if d.request_id in self.core.load_errors:
+                d.error, d.status = self.core.load_errors.pop(d.request_id), 500
+            if not self.stream.get(d.request_id, True):
+                d = self._accumulate(d)
+                if d is None:
+                    continue
+            await self.send_q.put((identity, d))
+            if d.finish_reason is not None:
+                self.forget(d.request_id)
+
+    def _accumulate(self, d: RequestOutput) -> RequestOutput | None:
+        acc = self.pending.get(d.request_id)
+        if acc is None:
+            acc = self.pending[d.request_id] = RequestOutput(d.request_id)
+        acc.token_ids = acc.token_ids + d.token_ids
+        acc.text += d.text
+        acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens = d.prompt_tokens, d.completion_tokens, d.cached_tokens
+        acc.finish_reason, acc.error, acc.status = d.finish_reason, d.error, d.status
+        return self.pending.pop(d.request_id) if d.finish_reason is not None else None
+
+    def forget(self, rid: str) -> None:
+        self.owner.pop(rid, None)
+        self.stream.pop(rid, None)
+        self.pending.pop(rid, None)
+        self.processor.drop(rid)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="loraplex engine process (started by `loraplex serve`)")
+    p.add_argument("--address", required=True)
+    p.add_argument("--engine-args", required=True, help="JSON object of EngineConfig keyword arguments")
+    p.add_argument("--adapter-dir", default=None)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=envs.log_level(), format="%(asctime)s engine %(levelname)s %(message)s")
+    import uvloop
+    engine = AsyncEngine(json.loads(args.engine_args), args.address, args.adapter_dir)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        try:
+            await engine.serve()
+        except asyncio.CancelledError:
+            pass
+    uvloop.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

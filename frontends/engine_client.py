@@ -1,0 +1,200 @@
+"""ZMQ client of the engine process, for frontends and Python programs.
+
+`AsyncEngineClient` (asyncio) and `EngineClient` (blocking, runs its own loop on a thread) submit
+requests, stream outputs, abort, and list / load / unload adapters, with the same msgspec messages the
+engine speaks (ipc/). Every output of a request comes back only to the client that sent it.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+import uuid
+from typing import AsyncIterator, Iterator
+
+import zmq
+import zmq.asyncio
+
+from engine.sampling_params import SamplingParams
+from ipc.outputs import AdapterReply, EngineStatus, RequestOutput, decode_outputs
+from ipc.requests import AbortRequest, AdapterCommand, GenerateRequest, Hello, encode_request
+
+HEARTBEAT_TIMEOUT = 5.0
+
+
+class EngineError(RuntimeError):
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
+
+
+class AsyncEngineClient:
+    def __init__(self, address: str, client_id: str | None = None):
+        self.address = address
+        self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
+        self.status: EngineStatus | None = None
+        self.last_heartbeat = 0.0
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._replies: dict[str, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._reader: asyncio.Task | None = None
+
+    async def connect(self, timeout: float = 60.0) -> "AsyncEngineClient":
+        self.ctx = zmq.asyncio.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, self.client_id.encode())
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(self.address)
+        self._reader = asyncio.create_task(self._read())
+        deadline = time.monotonic() + timeout
+        while self.status is None:
+            await self.sock.send(encode_request(Hello(self.client_id)))
+            await asyncio.sleep(0.05)
+            if time.monotonic() > deadline:
+                raise EngineError(f"engine at {self.address} did not answer within {timeout:.0f}s", 503)
+        return self
+
+    async def close(self) -> None:
+        if self._reader:
+            self._reader.cancel()
+        self.sock.close(0)
+        self.ctx.term()
+
+    @property
+    def healthy(self) -> bool:
+        return time.monotonic() - self.last_heartbeat < HEARTBEAT_TIMEOUT
+
+    async def _read(self) -> None:
+        while True:
+            for msg in decode_outputs(await self.sock.recv()):
+                if isinstance(msg, RequestOutput):
+                    q = self._queues.get(msg.request_id)
+                    if q is not None:
+                        q.put_nowait(msg)
+                elif isinstance(msg, AdapterReply):
+                    fut = self._replies.pop(msg.command_id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+                elif isinstance(msg, EngineStatus):
+                    self.status = msg
+                    self.last_heartbeat = time.monotonic()
+
+    def new_request_id(self) -> str:
+        return f"{self.client_id}-{next(self._ids)}"
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
+                       cache_salt: str | None = None, stream: bool = True,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs (text deltas) until the one with finish_reason. Leaving the loop
+        early (break, cancellation, a dropped HTTP client) aborts the request in the engine."""
+        if not self.healthy:
+            raise EngineError("engine unavailable", 503)
+        rid = request_id or self.new_request_id()
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[rid] = q
+        finished = False
+        try:
+            await self.sock.send(encode_request(GenerateRequest(rid, prompt_token_ids, params, adapter, cache_salt,
+                                                                stream)))
+            while not finished:
+                try:
+                    out = await asyncio.wait_for(q.get(), timeout=HEARTBEAT_TIMEOUT)
+                except asyncio.TimeoutError:
+                    if not self.healthy:
+                        raise EngineError("engine unavailable", 503) from None
+                    continue
+                if out.error is not None:
+                    finished = True
+                    raise EngineError(out.error, out.status or 500)
+                finished = out.finish_reason is not None
+                yield out
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                await self.abort(rid)
+
+    async def abort(self, request_id: str) -> None:
+        await self.sock.send(encode_request(AbortRequest([request_id])))
+
+    async def _adapter(self, op: str, name: str = "", path: str = "", pinned: bool = False) -> AdapterReply:
+        cid = f"{self.client_id}-cmd-{next(self._ids)}"
+        fut = asyncio.get_running_loop().create_future()
+        self._replies[cid] = fut
+        await self.sock.send(encode_request(AdapterCommand(cid, op, name, path, pinned)))
+        try:
+            reply = await asyncio.wait_for(fut, timeout=300)
+        finally:
+            self._replies.pop(cid, None)
+        if not reply.ok:
+            raise EngineError(reply.error or "adapter command failed", 404 if op == "unload" else 400)
+        return reply
+
+    async def load_adapter(self, name: str, path: str = "", pinned: bool = False) -> list[str]:
+        return (await self._adapter("load", name, path, pinned)).adapters
+
+    async def unload_adapter(self, name: str) -> list[str]:
+        return (await self._adapter("unload", name)).adapters
+
+    async def list_adapters(self) -> list[str]:
+        return (await self._adapter("list")).adapters
+
+
+class EngineClient:
+    """Blocking facade over AsyncEngineClient, for scripts: its event loop runs on a daemon thread."""
+
+    def __init__(self, address: str):
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, daemon=True, name="loraplex-client").start()
+        self._client = AsyncEngineClient(address)
+        self._call(self._client.connect())
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
+                 cache_salt: str | None = None) -> RequestOutput:
+        """Run one request to the end; return its whole output."""
+        async def run():
+            text, ids, last = "", [], None
+            async for out in self._client.generate(prompt_token_ids, params, adapter, cache_salt):
+                text += out.text
+                ids += out.token_ids
+                last = out
+            return RequestOutput(last.request_id, ids, text, last.finish_reason, last.prompt_tokens,
+                                 last.completion_tokens, last.cached_tokens)
+        return self._call(run())
+
+    def stream(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None) -> Iterator[RequestOutput]:
+        q: queue.Queue = queue.Queue()
+
+        async def pump():
+            try:
+                async for out in self._client.generate(prompt_token_ids, params, adapter):
+                    q.put(out)
+            except Exception as e:  # noqa: BLE001 - handed to the caller's thread
+                q.put(e)
+            q.put(None)
+        asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        while (item := q.get()) is not None:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    def load_adapter(self, name: str, path: str = "", pinned: bool = False) -> list[str]:
+        return self._call(self._client.load_adapter(name, path, pinned))
+
+    def unload_adapter(self, name: str) -> list[str]:
+        return self._call(self._client.unload_adapter(name))
+
+    def list_adapters(self) -> list[str]:
+        return self._call(self._client.list_adapters())
+
+    @property
+    def status(self) -> EngineStatus | None:
+        return self._client.status
+
+    def close(self) -> None:
+        self._call(self._client.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)

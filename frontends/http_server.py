@@ -1,0 +1,236 @@
+"""The OpenAI-compatible HTTP frontend (aiohttp). Several of these processes share one port
+(SO_REUSEPORT) and talk to the one engine over ZMQ. Prompts are tokenized here, text comes back from the
+engine's detokenizer.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+import time
+
+from aiohttp import web
+
+from engine import metrics
+from engine.tokenizer import encode_chat, load_tokenizer
+from frontends import openai_protocol as oai
+from frontends.engine_client import AsyncEngineClient, EngineError
+from frontends.openai_protocol import ApiError
+
+log = logging.getLogger("loraplex.http")
+
+
+class OpenAIServer:
+    def __init__(self, client: AsyncEngineClient, api_key: str | None):
+        self.client = client
+        self.api_key = api_key
+        self.tokenizer = load_tokenizer(client.status.model_path)
+        self.labels = metrics.AdapterLabels()
+
+    # -- plumbing ---------------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self.errors], client_max_size=8 << 20)
+        app.add_routes([web.post("/v1/completions", self.completions),
+                        web.post("/v1/chat/completions", self.chat),
+                        web.get("/v1/models", self.models),
+                        web.post("/v1/load_lora_adapter", self.load_adapter),
+                        web.post("/v1/unload_lora_adapter", self.unload_adapter),
+                        web.get("/health", self.health), web.get("/metrics", self.metrics)])
+        return app
+
+    @web.middleware
+    async def errors(self, request: web.Request, handler):
+        try:
+            if request.path.startswith("/v1/") and self.api_key is not None:
+                if request.headers.get("Authorization", "") != f"Bearer {self.api_key}":
+                    raise ApiError(401, "missing or wrong API key", code="invalid_api_key")
+            return await handler(request)
+        except ApiError as e:
+            return web.json_response(e.body(), status=e.status)
+        except EngineError as e:
+            return web.json_response(ApiError(e.status, str(e)).body(), status=e.status)
+
+    async def body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        return body
+
+    def adapter_for(self, body: dict) -> str | None:
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise ApiError(400, "'model' is required and must be a string", "model")
+        return None if model == self.client.status.model else model
+
+    def check_health(self) -> None:
+        if not self.client.healthy:
+            raise ApiError(503, "the engine is unavailable")
+
+    # -- generation -------------------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self.body(request)
+        prompt = oai.completion_prompt(body)
+        ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+        return await self.generate(request, body, ids, chat=False)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self.body(request)
+        ids = encode_chat(self.tokenizer, oai.chat_messages(body))
+        return await self.generate(request, body, ids, chat=True)
+
+    async def generate(self, request: web.Request, body: dict, ids: list[int], chat: bool) -> web.StreamResponse:
+        self.check_health()
+        adapter = self.adapter_for(body)
+        limit = self.client.status.max_model_len
+        if len(ids) >= limit:
+            raise ApiError(400, f"the prompt is {len(ids)} tokens; this model's context is {limit} tokens",
+                           "messages" if chat else "prompt", "context_length_exceeded")
+        params = oai.sampling_params(body, default_max_tokens=None if chat else 16)
+        salt = body.get("cache_salt")
+        if salt is not None and not isinstance(salt, str):
+            raise ApiError(400, "'cache_salt' must be a string", "cache_salt")
+        stream = oai._get(body, "stream", bool, False)
+        rid = oai.new_id("chatcmpl" if chat else "cmpl")
+        model = body["model"]
+        gen = self.client.generate(ids, params, adapter, salt, stream=stream, request_id=rid)
+        if stream:
+            return await self.stream(request, gen, rid, model, chat, oai.stream_options(body), adapter)
+        start = time.monotonic()
+        out = None
+        async for out in gen:
+            pass
+        self.observe(adapter, out.finish_reason, start, None)
+        use = oai.usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
+        return web.json_response(oai.completion_response(rid, model, out.text, _finish(out.finish_reason), chat, use))
+
+    async def stream(self, request, gen, rid, model, chat, include_usage, adapter) -> web.StreamResponse:
+        start = time.monotonic()
+        # the first output decides the status: an engine error before any token is a plain JSON error
+        try:
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            raise ApiError(500, "the engine returned no output") from None
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        last_t, out, n = None, first, 0
+        try:
+            while True:
+                now = time.monotonic()
+                if last_t is None:
+                    metrics.TTFT.observe(now - start)
+                else:
+                    metrics.ITL.observe(now - last_t)
+                last_t = now
+                if out.text or out.finish_reason or n == 0:
+                    chunk = oai.completion_chunk(rid, model, out.text, _finish(out.finish_reason), chat, first=n == 0)
+                    await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                n += 1
+                if out.finish_reason is not None:
+                    break
+                out = await gen.__anext__()
+            if include_usage:
+                chunk = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                         "created": int(time.time()), "model": model, "choices": [],
+                         "usage": oai.usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            self.observe(adapter, out.finish_reason, start, None)
+        except EngineError as e:
+            await resp.write(b"data: " + json.dumps(ApiError(e.status, str(e)).body()).encode() + b"\n\n")
+        except (ConnectionResetError, asyncio.CancelledError):
+            log.info("client of %s went away; aborting it", rid)
+            raise
+        finally:
+            await gen.aclose()          # aborts the request in the engine if it is still running
+        return resp
+
+    def observe(self, adapter: str | None, finish: str | None, start: float, _) -> None:
+        metrics.E2E.observe(time.monotonic() - start)
+        metrics.REQUESTS.labels(self.labels(adapter), finish or "none").inc()
+
+    # -- models and adapters ----------------------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        st = self.client.status
+        created = int(time.time())
+        data = [{"id": st.model, "object": "model", "created": created, "owned_by": "loraplex", "root": st.model,
+                 "parent": None, "max_model_len": st.max_model_len}]
+        data += [{"id": a, "object": "model", "created": created, "owned_by": "loraplex", "root": a,
+                  "parent": st.model} for a in st.adapters]
+        return web.json_response({"object": "list", "data": data})
+
+    async def load_adapter(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        name = oai._get(body, "lora_name", str, required=True)
+        path = oai._get(body, "lora_path", str, "")
+        pinned = oai._get(body, "pinned", bool, False)
+        self.check_health()
+        await self.client.load_adapter(name, path, pinned)
+        return web.json_response({"status": "ok", "message": f"adapter {name!r} loaded"})
+
+    async def unload_adapter(self, request: web.Request) -> web.Response:
+        body = await self.body(request)
+        name = oai._get(body, "lora_name", str, required=True)
+        self.check_health()
+        await self.client.unload_adapter(name)
+        return web.json_response({"status": "ok", "message": f"adapter {name!r} unloaded"})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.client.healthy:
+            return web.json_response({"status": "engine unavailable"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, multiprocess
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+        else:
+            from prometheus_client import REGISTRY as registry
+        return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def _finish(reason: str | None) -> str | None:
+    return "stop" if reason == "abort" else reason
+
+
+async def serve(engine_address: str, host: str, port: int, api_key: str | None, frontend_id: str) -> None:
+    client = await AsyncEngineClient(engine_address, frontend_id).connect(timeout=600)
+    server = OpenAIServer(client, api_key)
+    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_port=True)
+    await site.start()
+    print(json.dumps({"ready": True, "frontend": frontend_id}), flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+    await client.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="loraplex HTTP frontend (started by `loraplex serve`)")
+    p.add_argument("--engine-address", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--frontend-id", default=f"http-{os.getpid()}")
+    args = p.parse_args(argv)
+    api_key = os.environ.get("LORAPLEX_API_KEY") or None
+    logging.basicConfig(level=os.environ.get("LORAPLEX_LOG_LEVEL", "INFO"),
+                        format=f"%(asctime)s {args.frontend_id} %(levelname)s %(message)s")
+    import uvloop
+    uvloop.run(serve(args.engine_address, args.host, args.port, api_key, args.frontend_id))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""`loraplex serve`: start one engine process and N HTTP frontend processes on one port.
+
+Processes are started with subprocess (never multiprocessing's pickling); each child prints one JSON
+line on stdout when ready. A frontend that dies is restarted; if the engine dies the server stops.
+SIGINT / SIGTERM shut every process down cleanly.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("loraplex.serve")
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str], env: dict):
+        self.name, self.argv, self.env = name, argv, env
+        self.ready = threading.Event()
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.ready.clear()
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                     text=True)
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                if json.loads(line).get("ready"):
+                    self.ready.set()
+            except (json.JSONDecodeError, AttributeError):
+                sys.stdout.write(line)
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.ready.wait(0.2):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before it was ready")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} was not ready within {timeout:.0f}s")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+    def kill_if_alive(self, timeout: float) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, frontends: int,
+          api_key: str | None) -> int:
+    run_dir = Path(tempfile.mkdtemp(prefix="loraplex-"))
+    prom_dir = run_dir / "metrics"
+    prom_dir.mkdir()
+    env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(prom_dir))
+    if api_key:
+        env["LORAPLEX_API_KEY"] = api_key
+    address = f"ipc://{run_dir}/engine.sock"
+    port = port or free_port(host)
+    py = sys.executable
+    engine_argv = [py, "-m", "engine.serving.engine_proc", "--address", address,
+                   "--engine-args", json.dumps(engine_kwargs)]
+    if adapter_dir:
+        engine_argv += ["--adapter-dir", adapter_dir]
+    engine = Child("engine", engine_argv, env)
+    fronts = [Child(f"frontend-{i}", [py, "-m", "frontends.http_server", "--engine-address", address, "--host", host,
+                                      "--port", str(port), "--frontend-id", f"http-{i}"], env)
+              for i in range(frontends)]
+    stopping = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopping.set())
+    try:
+        engine.start()
+        engine.wait_ready(900)
+        for f in fronts:
+            f.start()
+        for f in fronts:
+            f.wait_ready(300)
+        url = f"http://{host}:{port}"
+        print(f"loraplex: serving {engine_kwargs.get('model', 'default')} at {url}/v1 "
+              f"({frontends} frontend{'s' * (frontends != 1)}, engine pid {engine.proc.pid})", flush=True)
+        while not stopping.wait(0.5):
+            if engine.proc.poll() is not None:
+                log.error("the engine exited with code %s; stopping", engine.proc.returncode)
+                return 1
+            for f in fronts:
+                if f.proc.poll() is not None:
+                    log.warning("%s exited with code %s; restarting it", f.name, f.proc.returncode)
+                    f.start()
+        return 0
+    except RuntimeError as e:
+        print(f"loraplex: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        for c in fronts + [engine]:
+            c.stop()
+        for c in fronts + [engine]:
+            c.kill_if_alive(15)
+        print("loraplex: stopped", flush=True)

@@ -1,0 +1,127 @@
+"""OpenAI's wire format: validate request bodies (errors name the field) and build responses."""
+from __future__ import annotations
+
+import time
+import uuid
+
+from engine.sampling_params import SamplingParams
+
+
+class ApiError(Exception):
+    """An error the client caused or should see, in OpenAI's error JSON."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                503: "service_unavailable"}.get(self.status, "server_error")
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+def _get(body: dict, name: str, types, default=None, required: bool = False):
+    if name not in body or body[name] is None:
+        if required:
+            raise ApiError(400, f"'{name}' is required", name)
+        return default
+    value = body[name]
+    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
+        raise ApiError(400, f"'{name}' must be of type {_names(types)}", name)
+    if not isinstance(value, types):
+        raise ApiError(400, f"'{name}' must be of type {_names(types)}", name)
+    return value
+
+
+def _names(types) -> str:
+    types = types if isinstance(types, tuple) else (types,)
+    return " or ".join({int: "integer", float: "number", str: "string", bool: "boolean", list: "array",
+                        dict: "object"}[t] for t in types)
+
+
+def sampling_params(body: dict, default_max_tokens: int | None) -> SamplingParams:
+    """The sampling fields of a completions or chat body."""
+    stop = _get(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) for s in stop):
+        raise ApiError(400, "'stop' must be a string or an array of strings", "stop")
+    max_tokens = _get(body, "max_completion_tokens", int, None) or _get(body, "max_tokens", int, default_max_tokens)
+    n = _get(body, "n", int, 1)
+    if n != 1:
+        raise ApiError(400, "'n' other than 1 is not supported", "n")
+    kw = dict(temperature=float(_get(body, "temperature", (int, float), 1.0)),
+              top_p=float(_get(body, "top_p", (int, float), 1.0)), top_k=_get(body, "top_k", int, -1),
+              seed=_get(body, "seed", int, None), max_tokens=max_tokens, stop=stop,
+              stop_token_ids=_get(body, "stop_token_ids", list, []), ignore_eos=_get(body, "ignore_eos", bool, False))
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        field = next((f for f in kw if str(e).startswith(f)), None)
+        raise ApiError(400, str(e), field) from None
+
+
+def stream_options(body: dict) -> bool:
+    opts = _get(body, "stream_options", dict, {})
+    return bool(opts.get("include_usage", False))
+
+
+def completion_prompt(body: dict) -> str | list[int]:
+    prompt = _get(body, "prompt", (str, list), required=True)
+    if isinstance(prompt, list):
+        if len(prompt) == 1 and isinstance(prompt[0], str):
+            return prompt[0]
+        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise ApiError(400, "'prompt' must be a string, or an array of token ids (batches are not supported)",
+                           "prompt")
+    return prompt
+
+
+def chat_messages(body: dict) -> list[dict]:
+    messages = _get(body, "messages", list, required=True)
+    if not messages:
+        raise ApiError(400, "'messages' must not be empty", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", "messages")
+        content = m.get("content")
+        if isinstance(content, list):   # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string", "messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt: int, completion: int, cached: int = 0) -> dict:
+    u = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if cached:
+        u["prompt_tokens_details"] = {"cached_tokens": cached}
+    return u
+
+
+def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: bool, first: bool = False) -> dict:
+    if chat:
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+                "choices": [choice]}
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+
+
+def completion_response(rid: str, model: str, text: str, finish: str | None, chat: bool, use: dict) -> dict:
+    if chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                  "logprobs": None}
+        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+                "choices": [choice], "usage": use}
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}], "usage": use}
