@@ -18,3 +18,12 @@ def num_threads() -> int:
 
 def log_level() -> str:
     return os.environ.get("LORAPLEX_LOG_LEVEL", "INFO")
+
+
+def api_key() -> str | None:
+    """The key HTTP clients must send as a Bearer token; set by `loraplex serve --api-key`."""
+    return os.environ.get("LORAPLEX_API_KEY") or None
+
+
+def prometheus_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None

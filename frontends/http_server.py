@@ -15,7 +15,7 @@ import time
 
 from aiohttp import web
 
-from engine import metrics
+from engine import envs, metrics
 from engine.tokenizer import encode_chat, load_tokenizer
 from frontends import openai_protocol as oai
 from frontends.engine_client import AsyncEngineClient, EngineError
@@ -27,6 +27,7 @@ log = logging.getLogger("loraplex.http")
 class OpenAIServer:
     def __init__(self, client: AsyncEngineClient, api_key: str | None):
         self.client = client
+        self.headers = {"X-Loraplex-Frontend": client.client_id}
         self.api_key = api_key
         self.tokenizer = load_tokenizer(client.status.model_path)
         self.labels = metrics.AdapterLabels()
@@ -34,6 +35,7 @@ class OpenAIServer:
     # -- plumbing ---------------------------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self.errors], client_max_size=8 << 20)
+        app.on_response_prepare.append(self.tag_response)
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat),
                         web.get("/v1/models", self.models),
@@ -41,6 +43,9 @@ class OpenAIServer:
                         web.post("/v1/unload_lora_adapter", self.unload_adapter),
                         web.get("/health", self.health), web.get("/metrics", self.metrics)])
         return app
+
+    async def tag_response(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers.update(self.headers)
 
     @web.middleware
     async def errors(self, request: web.Request, handler):
@@ -188,7 +193,7 @@ class OpenAIServer:
 
     async def metrics(self, request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, multiprocess
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        if envs.prometheus_dir():
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
         else:
@@ -224,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--frontend-id", default=f"http-{os.getpid()}")
     args = p.parse_args(argv)
-    api_key = os.environ.get("LORAPLEX_API_KEY") or None
-    logging.basicConfig(level=os.environ.get("LORAPLEX_LOG_LEVEL", "INFO"),
+    api_key = envs.api_key()
+    logging.basicConfig(level=envs.log_level(),
                         format=f"%(asctime)s {args.frontend_id} %(levelname)s %(message)s")
     import uvloop
     uvloop.run(serve(args.engine_address, args.host, args.port, api_key, args.frontend_id))

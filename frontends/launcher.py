@@ -100,7 +100,7 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
             f.wait_ready(300)
         url = f"http://{host}:{port}"
         print(f"loraplex: serving {engine_kwargs.get('model', 'default')} at {url}/v1 "
-              f"({frontends} frontend{'s' * (frontends != 1)}, engine pid {engine.proc.pid})", flush=True)
+              f"({frontends} frontend{'s' * (frontends != 1)}; engine pid {engine.proc.pid} at {address})", flush=True)
         while not stopping.wait(0.5):
             if engine.proc.poll() is not None:
                 log.error("the engine exited with code %s; stopping", engine.proc.returncode)

@@ -43,3 +43,12 @@ def assert_pool_idle(llm) -> None:
     assert pool.num_free == pool.num_pages, pool.usage()
     assert sum(pool.ref_count) == 0
     assert not llm.engine.has_unfinished()
+
+
+@pytest.fixture(scope="session")
+def adapter_dir(tmp_path_factory, hf_model):
+    """Eight PEFT adapters on disk, and the PeftModel that holds them all (the oracle)."""
+    from tests.peft_adapters import FIDELITY_ADAPTERS, make_adapters
+    d = tmp_path_factory.mktemp("adapters")
+    oracle = make_adapters(hf_model, d, FIDELITY_ADAPTERS)
+    return d, oracle

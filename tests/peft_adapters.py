@@ -24,7 +24,7 @@ FIDELITY_ADAPTERS = {
 }
 
 
-def init_nonzero(model, name: str, seed: int, std: float = 0.02) -> None:
+def init_nonzero(model, name: str, seed: int, std: float = 0.06) -> None:
     """PEFT starts B at zero; give A and B seeded values so the adapter changes outputs."""
     g = torch.Generator().manual_seed(seed)
     for mod_name, module in sorted(model.named_modules()):

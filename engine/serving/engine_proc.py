@@ -135,9 +135,7 @@ class AsyncEngine:
 
     async def heartbeat(self) -> None:
         while True:
-            status = self.status()
-            for identity in list(self.frontends):
-                await self.send_q.put((identity, status))
+            await self.broadcast_status()
             await asyncio.sleep(1.0)
 
     def status(self) -> EngineStatus:
@@ -166,6 +164,7 @@ class AsyncEngine:
                 if self.adapter_dir:
                     path = resolve_adapter_dir(self.adapter_dir, req.adapter)
                     await self._run(self.core.register_adapter, req.adapter, str(path))
+                    await self.broadcast_status()
             status = 400
             self.core.add_request(req)
         except LookupError as e:
@@ -193,10 +192,15 @@ class AsyncEngine:
                 raise ValueError(f"unknown adapter op {cmd.op!r}")
         except (ValueError, LookupError, OSError) as e:
             return AdapterReply(cmd.command_id, False, str(e.args[0]) if e.args else str(e))
-        status = self.status()
-        for identity in self.frontends:
-            await self.send_q.put((identity, status))
+        status = await self.broadcast_status()
         return AdapterReply(cmd.command_id, True, adapters=status.adapters)
+
+    async def broadcast_status(self) -> EngineStatus:
+        """Tell every frontend now (adapters changed), not at the next heartbeat."""
+        status = self.status()
+        for identity in list(self.frontends):
+            await self.send_q.put((identity, status))
+        return status
 
     # -- outputs ----------------------------------------------------------------------------------------
     async def detokenize(self, outputs) -> None:

@@ -1,0 +1,25 @@
+import shutil
+
+import pytest
+
+from tests.frontends.server_fixture import Server
+
+API_KEY = "test-key"
+
+
+@pytest.fixture(scope="session")
+def served_adapters(adapter_dir, tmp_path_factory):
+    """A copy of three test adapters in their own directory, for --adapter-dir."""
+    src, _ = adapter_dir
+    d = tmp_path_factory.mktemp("served")
+    for name in ("r4-qv", "r8-all", "r16-attn"):
+        shutil.copytree(src / name, d / name)
+    return d, src
+
+
+@pytest.fixture(scope="session")
+def server(served_adapters):
+    d, _ = served_adapters
+    s = Server("--adapter-dir", str(d), "--frontends", "2", "--api-key", API_KEY, "--max-loras", "4")
+    yield s
+    assert s.stop() == 0

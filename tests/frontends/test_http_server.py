@@ -1,0 +1,162 @@
+"""The real server (engine + 2 frontends as processes) through the official openai client and raw HTTP."""
+import asyncio
+import json
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+
+import aiohttp
+import openai
+import pytest
+import requests
+
+from tests.frontends.conftest import API_KEY
+from tests.frontends.server_fixture import metric, wait_until
+
+BASE = "SmolLM2-135M-Instruct"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY)
+
+
+def test_completions_chat_and_streaming_with_openai_client(client):
+    out = client.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "What is the capital of France?"}],
+                                         max_tokens=16, temperature=0)
+    assert "Paris" in out.choices[0].message.content and out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens > 0 and out.usage.prompt_tokens > 0
+    comp = client.completions.create(model=BASE, prompt="Once upon a time", max_tokens=8, temperature=0)
+    assert comp.choices[0].finish_reason == "length" and comp.usage.completion_tokens == 8
+    stream = client.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "Say hi"}],
+                                            max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and chunks[-1].usage.completion_tokens >= 1
+    same = client.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "Say hi"}],
+                                          max_tokens=12, temperature=0)
+    assert same.choices[0].message.content == text
+
+
+def test_model_is_an_adapter_name(client):
+    models = {m.id for m in client.models.list().data}
+    assert {BASE, "r4-qv", "r8-all", "r16-attn"} <= models
+    kw = dict(prompt="The weather today is", max_tokens=10, temperature=0)
+    base = client.completions.create(model=BASE, **kw).choices[0].text
+    tuned = client.completions.create(model="r8-all", **kw).choices[0].text
+    assert tuned != base
+    streamed = "".join(c.choices[0].text for c in client.completions.create(model="r8-all", stream=True, **kw))
+    assert streamed == tuned
+
+
+def test_two_frontends_stream_at_once_with_different_adapters(server):
+    async def one(session, model):
+        body = {"model": model, "prompt": "Tell me a story about", "max_tokens": 24, "temperature": 0,
+                "stream": True, "ignore_eos": True}
+        async with session.post(server.url + "/v1/completions", json=body, headers=AUTH) as r:
+            assert r.status == 200
+            text = ""
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+            return r.headers["X-Loraplex-Frontend"], model, text
+
+    async def main():
+        results = []
+        for _ in range(3):   # connections spread over the frontends by the kernel (SO_REUSEPORT)
+            async with aiohttp.ClientSession() as s1, aiohttp.ClientSession() as s2:
+                jobs = [one(s1 if i % 2 else s2, m) for i, m in enumerate(["r4-qv", "r16-attn", BASE] * 3)]
+                results += await asyncio.gather(*jobs)
+            if len({f for f, _, _ in results}) >= 2:
+                break
+        return results
+    results = asyncio.run(main())
+    assert len({f for f, _, _ in results}) >= 2, "both frontends must have served"
+    by_model = {}
+    for _, model, text in results:
+        by_model.setdefault(model, set()).add(text)
+    assert all(len(texts) == 1 for texts in by_model.values()), "same request, same greedy text"
+    assert len({next(iter(t)) for t in by_model.values()}) == 3
+
+
+def test_client_disconnect_frees_its_request(server):
+    body = {"model": "r4-qv", "prompt": "Write a very long essay.", "max_tokens": 4000, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with requests.post(server.url + "/v1/completions", json=body, headers=AUTH, stream=True, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+    # the connection is closed: the engine must drop the request and its pages
+    def idle():
+        text = requests.get(server.url + "/metrics", timeout=10).text
+        return metric(text, "loraplex_requests_running") == 0 and metric(text, "loraplex_pool_pages", 'kind="kv"') == 0
+    assert wait_until(idle, timeout=30), requests.get(server.url + "/metrics").text[-2000:]
+
+
+@pytest.mark.parametrize("body, field", [
+    ("{not json", None),
+    ('{"prompt": "hi"}', "model"),
+    ('{"model": "SmolLM2-135M-Instruct"}', "prompt"),
+    ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "temperature": "hot"}', "temperature"),
+    ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "max_tokens": -3}', "max_tokens"),
+    ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "top_p": 7}', "top_p"),
+    ('{"model": "SmolLM2-135M-Instruct", "prompt": [1, "x"]}', "prompt"),
+    ('[1, 2, 3]', None),
+])
+def test_malformed_bodies_get_400_and_the_server_keeps_serving(server, client, body, field):
+    r = requests.post(server.url + "/v1/completions", data=body, headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["message"]
+    if field:
+        assert err["param"] == field
+    assert client.completions.create(model=BASE, prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+def test_errors_unknown_model_long_prompt_and_api_key(server, client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-adapter", prompt="Hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model=BASE, prompt=[5] * 9000, max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong").models.list()
+    assert requests.get(server.url + "/v1/models").status_code == 401
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="../r4-qv", prompt="Hi", max_tokens=2)
+
+
+def test_load_use_unload_adapter_over_http(server, client, served_adapters):
+    _, src = served_adapters
+    kw = dict(prompt="The weather today is", max_tokens=6, temperature=0)
+    r = requests.post(server.url + "/v1/load_lora_adapter", headers=AUTH,
+                      json={"lora_name": "extra", "lora_path": str(src / "r32-mlp")})
+    assert r.status_code == 200, r.text
+    assert "extra" in {m.id for m in client.models.list().data}
+    assert client.completions.create(model="extra", **kw).choices[0].text
+    r = requests.post(server.url + "/v1/unload_lora_adapter", headers=AUTH, json={"lora_name": "extra"})
+    assert r.status_code == 200, r.text
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="extra", **kw)
+    r = requests.post(server.url + "/v1/load_lora_adapter", headers=AUTH,
+                      json={"lora_name": "bad", "lora_path": "/nonexistent"})
+    assert r.status_code == 400 and "adapter_config.json" in r.json()["error"]["message"]
+
+
+def test_adapter_on_demand_from_adapter_dir(server, client, served_adapters):
+    d, src = served_adapters
+    shutil.copytree(src / "r64-ko", d / "late")
+    out = client.completions.create(model="late", prompt="Hello", max_tokens=4, temperature=0)
+    assert out.choices[0].text is not None
+    assert "late" in {m.id for m in client.models.list().data}
+
+
+def test_health_and_metrics_show_engine_figures_from_any_frontend(server):
+    assert requests.get(server.url + "/health").json() == {"status": "ok"}
+    with ThreadPoolExecutor(4) as ex:
+        texts = list(ex.map(lambda _: requests.get(server.url + "/metrics").text, range(6)))
+    for text in texts:
+        assert metric(text, "loraplex_pool_pages", 'kind="free"') > 0
+        assert "loraplex_time_to_first_token_seconds_bucket" in text
+        assert metric(text, "loraplex_adapter_loads_total") >= 1
+        assert 'loraplex_requests_total{adapter="r8-all"' in text
