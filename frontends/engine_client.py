@@ -57,6 +57,9 @@ class AsyncEngineClient:
         return self
 
     async def close(self) -> None:
+        """Abort every request still open on this client, then disconnect."""
+        if self._queues:
+            await self.sock.send(encode_request(AbortRequest(list(self._queues))))
         if self._reader:
             self._reader.cancel()
         self.sock.close(0)
@@ -87,8 +90,9 @@ class AsyncEngineClient:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
                        cache_salt: str | None = None, stream: bool = True,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield the request's outputs (text deltas) until the one with finish_reason. Leaving the loop
-        early (break, cancellation, a dropped HTTP client) aborts the request in the engine."""
+        """Yield the request's outputs (text deltas) until the one with finish_reason. Closing the
+        generator early (`contextlib.aclosing`, cancellation, a dropped HTTP client) or closing the client
+        aborts the request in the engine."""
         if not self.healthy:
             raise EngineError("engine unavailable", 503)
         rid = request_id or self.new_request_id()
