@@ -54,7 +54,15 @@ class AsyncEngineClient:
             await asyncio.sleep(0.05)
             if time.monotonic() > deadline:
                 raise EngineError(f"engine at {self.address} did not answer within {timeout:.0f}s", 503)
+        self._beat = asyncio.create_task(self._heartbeat())
         return self
+
+    async def _heartbeat(self) -> None:
+        """Tell the engine this client is alive; if it stops (the process died), the engine aborts its
+        requests after a few seconds."""
+        while True:
+            await asyncio.sleep(1.0)
+            await self.sock.send(encode_request(Hello(self.client_id)))
 
     async def close(self) -> None:
         """Abort every request still open on this client, then disconnect."""
@@ -62,6 +70,7 @@ class AsyncEngineClient:
             await self.sock.send(encode_request(AbortRequest(list(self._queues))))
         if self._reader:
             self._reader.cancel()
+            self._beat.cancel()
         self.sock.close(0)
         self.ctx.term()
 

@@ -52,3 +52,17 @@ def adapter_dir(tmp_path_factory, hf_model):
     d = tmp_path_factory.mktemp("adapters")
     oracle = make_adapters(hf_model, d, FIDELITY_ADAPTERS)
     return d, oracle
+
+
+@pytest.fixture(autouse=True)
+def _pool_back_to_idle(request):
+    """After every test that used an LLM: no request left and no KV block held (adapters may stay
+    resident: they are cached, not leaked)."""
+    yield
+    from engine.llm import LLM
+    for value in request.node.funcargs.values():
+        if isinstance(value, LLM):
+            usage = value.engine.pool.usage()
+            assert usage["kv"] == 0, f"KV blocks leaked: {usage}"
+            assert not value.engine.has_unfinished()
+            assert sum(value.engine.pool.ref_count) == usage["adapter"]

@@ -34,6 +34,7 @@ from ipc.outputs import AdapterReply, EngineStatus, RequestOutput, encode_output
 from ipc.requests import AbortRequest, AdapterCommand, GenerateRequest, Hello, decode_request
 
 log = logging.getLogger("loraplex.engine")
+FRONTEND_TIMEOUT = 5.0
 
 
 class AsyncEngine:
@@ -47,7 +48,7 @@ class AsyncEngine:
         self.owner: dict[str, bytes] = {}          # request id -> frontend identity
         self.stream: dict[str, bool] = {}
         self.pending: dict[str, RequestOutput] = {}  # non-streaming requests: accumulated output
-        self.frontends: set[bytes] = set()
+        self.frontends: dict[bytes, float] = {}   # identity -> last time it said Hello
         self.wakeup = asyncio.Event()
         self.stopping = False
 
@@ -94,8 +95,9 @@ class AsyncEngine:
                 log.warning("dropping malformed message from %r: %s", identity, e)
                 continue
             if isinstance(msg, Hello):
-                self.frontends.add(identity)
-                await self.send_q.put((identity, self.status()))
+                if identity not in self.frontends:
+                    await self.send_q.put((identity, self.status()))
+                self.frontends[identity] = time.monotonic()
                 continue
             await self.inbox.put((identity, msg))
             self.wakeup.set()
@@ -135,8 +137,20 @@ class AsyncEngine:
 
     async def heartbeat(self) -> None:
         while True:
+            self.drop_silent_frontends()
             await self.broadcast_status()
             await asyncio.sleep(1.0)
+
+    def drop_silent_frontends(self) -> None:
+        """A frontend silent for FRONTEND_TIMEOUT seconds is gone (e.g. killed): abort its requests."""
+        now = time.monotonic()
+        for identity, seen in list(self.frontends.items()):
+            if now - seen > FRONTEND_TIMEOUT:
+                del self.frontends[identity]
+                orphans = [rid for rid, owner in self.owner.items() if owner == identity]
+                self.inbox.put_nowait((identity, AbortRequest(orphans)))
+                self.wakeup.set()
+                log.warning("frontend %r went silent; aborting its %d requests", identity, len(orphans))
 
     def status(self) -> EngineStatus:
         s = self.core.scheduler

@@ -160,3 +160,46 @@ def test_health_and_metrics_show_engine_figures_from_any_frontend(server):
         assert "loraplex_time_to_first_token_seconds_bucket" in text
         assert metric(text, "loraplex_adapter_loads_total") >= 1
         assert 'loraplex_requests_total{adapter="r8-all"' in text
+
+
+def test_kill_9_of_a_frontend_frees_its_requests_and_it_is_restarted(server):
+    import os
+    import signal
+    import subprocess
+    body = {"model": "r4-qv", "prompt": "An endless story:", "max_tokens": 4000, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with requests.post(server.url + "/v1/completions", json=body, headers=AUTH, stream=True, timeout=60) as r:
+        frontend = r.headers["X-Loraplex-Frontend"]
+        lines = r.iter_lines()
+        next(lines)
+        pid = int(subprocess.run(["pgrep", "-f", "--", f"--frontend-id {frontend}$"], capture_output=True,
+                                 text=True).stdout.split()[0])
+        os.kill(pid, signal.SIGKILL)
+
+    def recovered():
+        try:
+            text = requests.get(server.url + "/metrics", timeout=5).text
+        except requests.RequestException:
+            return False
+        return metric(text, "loraplex_requests_running") == 0 and metric(text, "loraplex_pool_pages", 'kind="kv"') == 0
+    assert wait_until(recovered, timeout=60)
+    assert wait_until(lambda: "restarting" in "".join(server.lines), timeout=30)
+    assert wait_until(lambda: len({requests.get(server.url + "/health").headers["X-Loraplex-Frontend"]
+                                   for _ in range(20)}) == 2, timeout=60)
+
+
+def test_engine_unavailable_gives_503_then_recovers(server, client):
+    import os
+    import signal
+    pid = int(__import__("re").search(r"engine pid (\d+)", "".join(server.lines)).group(1))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        assert wait_until(lambda: requests.get(server.url + "/health").status_code == 503, timeout=20)
+        with pytest.raises(openai.InternalServerError) as e:
+            openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0).completions.create(
+                model=BASE, prompt="Hi", max_tokens=2)
+        assert e.value.status_code == 503
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert wait_until(lambda: requests.get(server.url + "/health").status_code == 200, timeout=20)
+    assert client.completions.create(model=BASE, prompt="Hi", max_tokens=2).choices[0].text is not None
