@@ -34,6 +34,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or at least 1, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2 ** 63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if len(self.stop) > 64 or any(len(s) > 1024 for s in self.stop):
+            raise ValueError("stop: at most 64 stop strings of at most 1024 characters")
         if any(not s for s in self.stop):
             raise ValueError("stop: empty stop strings are not allowed")
         if any(t < 0 for t in self.stop_token_ids):

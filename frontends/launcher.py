@@ -31,6 +31,7 @@ class Child:
     def __init__(self, name: str, argv: list[str], env: dict):
         self.name, self.argv, self.env = name, argv, env
         self.ready = threading.Event()
+        self.info: dict = {}
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -42,7 +43,9 @@ class Child:
     def _watch(self) -> None:
         for line in self.proc.stdout:
             try:
-                if json.loads(line).get("ready"):
+                info = json.loads(line)
+                if info.get("ready"):
+                    self.info = info
                     self.ready.set()
             except (json.JSONDecodeError, AttributeError):
                 sys.stdout.write(line)
@@ -99,7 +102,7 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
         for f in fronts:
             f.wait_ready(300)
         url = f"http://{host}:{port}"
-        print(f"loraplex: serving {engine_kwargs.get('model', 'default')} at {url}/v1 "
+        print(f"loraplex: serving {engine.info.get('model', engine_kwargs.get('model'))} at {url}/v1 "
               f"({frontends} frontend{'s' * (frontends != 1)}; engine pid {engine.proc.pid} at {address})", flush=True)
         while not stopping.wait(0.5):
             if engine.proc.poll() is not None:

@@ -113,7 +113,12 @@ class AsyncEngine:
                 if self.inbox.empty():
                     await self.wakeup.wait()
                 continue
-            outputs = await self._run(self.core.step)
+            try:
+                outputs = await self._run(self.core.step)
+            except Exception as e:  # noqa: BLE001 - one bad step must not take the engine down
+                log.exception("engine step failed; failing the running requests")
+                await self.fail_running(f"internal error in the engine step: {e}")
+                continue
             await self.detokenize(outputs)
             self.stats.publish()
 
@@ -244,6 +249,15 @@ class AsyncEngine:
         acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens = d.prompt_tokens, d.completion_tokens, d.cached_tokens
         acc.finish_reason, acc.error, acc.status = d.finish_reason, d.error, d.status
         return self.pending.pop(d.request_id) if d.finish_reason is not None else None
+
+    async def fail_running(self, error: str) -> None:
+        for req in list(self.core.scheduler.running):
+            rid = req.request_id
+            identity = self.owner.get(rid)
+            self.core.abort(rid)
+            if identity is not None:
+                await self.send_q.put((identity, RequestOutput(rid, finish_reason="abort", error=error, status=500)))
+            self.forget(rid)
 
     def forget(self, rid: str) -> None:
         self.owner.pop(rid, None)

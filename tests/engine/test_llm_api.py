@@ -74,3 +74,8 @@ def test_bad_dtype_and_non_llama_model_are_refused(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
     with pytest.raises(ValueError, match="not a Llama"):
         LLM(model=str(tmp_path))
+
+
+def test_seed_out_of_range_is_refused():
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2 ** 70)
