@@ -43,6 +43,10 @@ class LLM:
     def unregister_adapter(self, name: str) -> None:
         self.engine.unregister_adapter(name)
 
+    def stats(self) -> dict:
+        """The engine's report: pool pages by kind, adapter tiers, loads, evictions, hit rate, ..."""
+        return self.engine.report()
+
     def list_adapters(self) -> list[str]:
         return self.engine.adapters.names() if self.engine.adapters else []
 

@@ -18,6 +18,8 @@ ADAPTERS = Gauge("loraplex_adapters", "Adapters per tier", ["tier"], multiproces
 ADAPTER_LOADS = Counter("loraplex_adapter_loads", "Adapter loads into the pool")
 ADAPTER_EVICTIONS = Counter("loraplex_adapter_evictions", "Adapters evicted from the pool")
 ADAPTER_COLD_STARTS = Counter("loraplex_adapter_cold_starts", "Requests that waited for their adapter to load")
+ADAPTER_HIT_RATE = Gauge("loraplex_adapter_hit_rate", "Share of adapter requests whose adapter was resident",
+                         multiprocess_mode="mostrecent")
 PREEMPTIONS = Counter("loraplex_preemptions", "Requests preempted when the pool ran out")
 GENERATED_TOKENS = Counter("loraplex_generation_tokens", "Tokens generated")
 

@@ -124,6 +124,19 @@ class EngineCore:
         self.runner.sampler.forget(request_id)
         return True
 
+    def report(self) -> dict:
+        """Pool pages by kind, adapters per tier, adapter loads / evictions / cold starts / hit rate,
+        prefix-cache hits, preemptions, running and waiting requests."""
+        out = {"pages": self.pool.usage(), "num_pages": self.pool.num_pages,
+               "prefix_cache": {"queries": self.pool.prefix_queries, "hits": self.pool.prefix_hits},
+               "preemptions": self.scheduler.num_preemptions, "running": len(self.scheduler.running),
+               "waiting": len(self.scheduler.waiting)}
+        if self.adapters is not None:
+            st = self.adapters.stats
+            out["adapters"] = {**self.adapters.tiers(), "loads": st.loads, "evictions": st.evictions,
+                               "cold_starts": st.cold_starts, "hits": st.hits, "hit_rate": st.hit_rate}
+        return out
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 

@@ -27,6 +27,7 @@ class EngineStatsPublisher:
         if self.core.adapters is not None:
             st = self.core.adapters.stats
             current.update(loads=st.loads, evictions=st.evictions, cold_starts=st.cold_starts)
+            metrics.ADAPTER_HIT_RATE.set(st.hit_rate)
             for tier, n in self.core.adapters.tiers().items():
                 metrics.ADAPTERS.labels(tier).set(n)
         counters = {"loads": metrics.ADAPTER_LOADS, "evictions": metrics.ADAPTER_EVICTIONS,

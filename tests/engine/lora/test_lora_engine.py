@@ -32,8 +32,11 @@ def test_cap_with_many_adapters_and_base_requests_finishes(llm):
     names = list(FIDELITY_ADAPTERS) * 2 + [None] * 6
     outs = llm.generate(["Tell me about rivers."] * len(names), GREEDY, adapter=names)
     assert all(len(o.token_ids) == 8 for o in outs)
-    assert llm.engine.adapters.stats.cold_starts >= 1
-    assert llm.engine.pool.usage()["kv"] == 0
+    report = llm.stats()
+    assert report["adapters"]["cold_starts"] >= 1 and report["adapters"]["loads"] >= len(FIDELITY_ADAPTERS)
+    assert 0 <= report["adapters"]["hit_rate"] <= 1
+    assert report["pages"]["kv"] == 0 and report["pages"]["adapter"] > 0
+    assert sum(report["pages"].values()) == report["num_pages"]
 
 
 def test_reregister_with_new_weights_drops_prefix_blocks(llm, adapter_dir):
@@ -42,7 +45,12 @@ def test_reregister_with_new_weights_drops_prefix_blocks(llm, adapter_dir):
     first = llm.generate(prompt, GREEDY, adapter="r4-qv")[0]
     again = llm.generate(prompt, GREEDY, adapter="r4-qv")[0]
     assert again.num_cached_tokens > 0 and again.token_ids == first.token_ids
+    old_id = llm.engine.adapter_id("r4-qv")
+    cached_before = len(llm.engine.pool.hash_to_page)
+    assert llm.engine.kv.adapter_hashes[old_id]
     llm.register_adapter("r4-qv", str(d / "r8-all"))          # same name, new weights
+    assert old_id not in llm.engine.kv.adapter_hashes          # its prefix blocks are dropped
+    assert len(llm.engine.pool.hash_to_page) < cached_before
     swapped = llm.generate(prompt, GREEDY, adapter="r4-qv")[0]
     assert swapped.num_cached_tokens == 0
     assert swapped.token_ids == llm.generate(prompt, GREEDY, adapter="r8-all")[0].token_ids
