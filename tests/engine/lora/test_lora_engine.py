@@ -77,3 +77,36 @@ def test_cli_generate_with_adapter_dir(adapter_dir, tokenizer):
     assert r.returncode == 0, r.stderr
     ids = tokenizer("The weather today is")["input_ids"]
     assert json.loads(r.stdout)["token_ids"] == peft_greedy(oracle, "r8-all", ids, 6)
+
+
+def test_a_loading_adapter_holds_up_nobody(llm, adapter_dir, monkeypatch):
+    """While one adapter's file is slow to read, base and resident-adapter requests keep decoding."""
+    import time as _time
+
+    from engine.lora import adapter_manager
+    from engine.lora.adapter_manager import AdapterState
+    from ipc.requests import GenerateRequest
+    d, _ = adapter_dir
+    real_read = adapter_manager._read_bytes
+
+    def slow_read(path):
+        _time.sleep(1.5)
+        return real_read(path)
+    monkeypatch.setattr(adapter_manager, "_read_bytes", slow_read)
+    llm.register_adapter("slow", str(d / "r32-mlp"))
+    core = llm.engine
+    core.adapters.host.clear()         # not in the host tier: the load must read the (slow) disk
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    core.add_request(GenerateRequest("slow-req", [1, 2, 3, 4], params, adapter="slow"))
+    core.add_request(GenerateRequest("base-req", [1, 2, 3, 4], params))
+    tokens_while_loading = 0
+    deadline = _time.monotonic() + 60
+    while core.has_unfinished() and _time.monotonic() < deadline:
+        loading = core.adapters.lookup("slow").state == AdapterState.LOADING
+        outs = core.step()
+        if loading:
+            tokens_while_loading += sum(len(o.new_token_ids) for o in outs if o.request_id == "base-req")
+    assert not core.has_unfinished()
+    assert tokens_while_loading >= 5, "the base request must decode while the adapter loads"
+    assert core.adapters.stats.cold_starts >= 1
+    llm.unregister_adapter("slow")
