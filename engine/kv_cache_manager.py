@@ -94,8 +94,14 @@ class KVCacheManager:
         for i in range(req.num_cached_blocks, min(len(req.block_hashes), req.num_computed_tokens // self.block_size)):
             self.pool.cache(req.block_ids[i], req.block_hashes[i])
             if req.adapter_id:
-                self.adapter_hashes.setdefault(req.adapter_id, set()).add(req.block_hashes[i])
+                self._remember(req.adapter_id, req.block_hashes[i])
             req.num_cached_blocks = i + 1
+
+    def _remember(self, adapter_id: int, h: bytes) -> None:
+        hashes = self.adapter_hashes.setdefault(adapter_id, set())
+        hashes.add(h)
+        if len(hashes) > 2 * self.pool.num_pages:      # forget blocks the pool already reused
+            hashes.intersection_update(self.pool.hash_to_page)
 
     def drop_adapter_blocks(self, adapter_id: int) -> int:
         """Forget every prefix-cache block computed with this adapter."""

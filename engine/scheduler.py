@@ -7,6 +7,7 @@ most recently arrived running request is preempted: its blocks are freed and it 
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -97,7 +98,10 @@ class Scheduler:
         adm = self.admission
         freeze_new = bool(adm and self.waiting and self.waiting[0].blocked_by_cap > adm.cfg.starvation_steps)
         i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        # NOTE: skipped requests (adapter loading, cap) stay queued; the scan is bounded so a long queue
+        # costs O(window) per step.
+        window = min(len(self.waiting), 4 * self.config.max_num_seqs)
+        while i < window and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[i]
             if adm and not adm.can_admit(req, freeze_new and i > 0):
                 i += 1
@@ -108,6 +112,7 @@ class Scheduler:
             if not self.kv.can_allocate(req, n, cached):
                 break
             del self.waiting[i]
+            window -= 1
             self.kv.allocate(req, n, cached)
             if adm:
                 adm.admit(req)
@@ -117,7 +122,7 @@ class Scheduler:
             out.num_new_tokens.append(n)
             budget -= n
         if adm:
-            for req in list(self.waiting)[i: i + 2 * adm.cfg.max_loras]:
+            for req in itertools.islice(self.waiting, i, i + 2 * adm.cfg.max_loras):
                 adm.prefetch(req)
 
     def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
