@@ -90,8 +90,18 @@ class AsyncEngineClient:
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
                 elif isinstance(msg, EngineStatus):
+                    if self.status is not None and msg.incarnation != self.status.incarnation:
+                        self._engine_restarted()
                     self.status = msg
                     self.last_heartbeat = time.monotonic()
+
+    def _engine_restarted(self) -> None:
+        """The engine process was replaced: requests it held are gone; fail them (503) rather than wait."""
+        for rid, q in list(self._queues.items()):
+            q.put_nowait(RequestOutput(rid, finish_reason="abort", error="the engine restarted", status=503))
+        for fut in self._replies.values():
+            if not fut.done():
+                fut.set_result(AdapterReply("", False, "the engine restarted"))
 
     def new_request_id(self) -> str:
         return f"{self.client_id}-{next(self._ids)}"
@@ -116,6 +126,7 @@ class AsyncEngineClient:
                     out = await asyncio.wait_for(q.get(), timeout=HEARTBEAT_TIMEOUT)
                 except asyncio.TimeoutError:
                     if not self.healthy:
+                        finished = True     # nothing to abort: the engine is gone
                         raise EngineError("engine unavailable", 503) from None
                     continue
                 if out.error is not None:

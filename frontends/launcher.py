@@ -1,8 +1,9 @@
 """`loraplex serve`: start one engine process and N HTTP frontend processes on one port.
 
 Processes are started with subprocess (never multiprocessing's pickling); each child prints one JSON
-line on stdout when ready. A frontend that dies is restarted; if the engine dies the server stops.
-SIGINT / SIGTERM shut every process down cleanly.
+line on stdout when ready. A frontend that dies is restarted.
+A dead engine is restarted too (its in-flight requests fail with 503; frontends reconnect by
+themselves). SIGINT / SIGTERM shut every process down cleanly.
 """
 from __future__ import annotations
 
@@ -106,8 +107,10 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
               f"({frontends} frontend{'s' * (frontends != 1)}; engine pid {engine.proc.pid} at {address})", flush=True)
         while not stopping.wait(0.5):
             if engine.proc.poll() is not None:
-                log.error("the engine exited with code %s; stopping", engine.proc.returncode)
-                return 1
+                print(f"loraplex: the engine exited with code {engine.proc.returncode}; restarting it", flush=True)
+                engine.start()
+                engine.wait_ready(900)
+                print("loraplex: engine restarted", flush=True)
             for f in fronts:
                 if f.proc.poll() is not None:
                     log.warning("%s exited with code %s; restarting it", f.name, f.proc.returncode)

@@ -35,6 +35,7 @@ class EngineStatus(msgspec.Struct, tag="status", **_STRUCT):
     adapters: list[str]
     running: int = 0
     waiting: int = 0
+    incarnation: str = ""    # changes when the engine process is restarted
 
 
 EngineOutput = RequestOutput | AdapterReply | EngineStatus

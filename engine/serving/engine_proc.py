@@ -17,6 +17,7 @@ import logging
 import signal
 import sys
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -50,6 +51,7 @@ class AsyncEngine:
         self.pending: dict[str, RequestOutput] = {}  # non-streaming requests: accumulated output
         self.frontends: dict[bytes, float] = {}   # identity -> last time it said Hello
         self.wakeup = asyncio.Event()
+        self.incarnation = uuid.uuid4().hex
         self.stopping = False
 
     # -- set-up -----------------------------------------------------------------------------------------
@@ -161,7 +163,8 @@ class AsyncEngine:
         s = self.core.scheduler
         m = self.core.cfg.model
         return EngineStatus(m.name, m.path, m.max_model_len,
-                            self.core.adapters.names() if self.core.adapters else [], len(s.running), len(s.waiting))
+                            self.core.adapters.names() if self.core.adapters else [], len(s.running), len(s.waiting),
+                            self.incarnation)
 
     # -- inputs -----------------------------------------------------------------------------------------
     async def apply(self, identity: bytes, msg) -> None:

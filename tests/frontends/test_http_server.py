@@ -203,3 +203,23 @@ def test_engine_unavailable_gives_503_then_recovers(server, client):
         os.kill(pid, signal.SIGCONT)
     assert wait_until(lambda: requests.get(server.url + "/health").status_code == 200, timeout=20)
     assert client.completions.create(model=BASE, prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+def test_kill_9_of_the_engine_fails_in_flight_requests_and_it_is_restarted(server, client):
+    """Runs last in this module: the engine comes back with the --adapter-dir adapters only."""
+    import os
+    import re
+    import signal
+    pid = int(re.search(r"engine pid (\d+)", "".join(server.lines)).group(1))
+    body = {"model": "r4-qv", "prompt": "An endless story:", "max_tokens": 4000, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with requests.post(server.url + "/v1/completions", json=body, headers=AUTH, stream=True, timeout=120) as r:
+        lines = r.iter_lines()
+        next(lines)
+        os.kill(pid, signal.SIGKILL)
+        rest = [l for l in lines if l]
+    assert any(b"error" in l for l in rest), "the in-flight stream ends with an error event"
+    assert wait_until(lambda: "engine restarted" in "".join(server.lines), timeout=300)
+    assert wait_until(lambda: requests.get(server.url + "/health").status_code == 200, timeout=30)
+    out = client.completions.create(model="r8-all", prompt="Hello", max_tokens=3, temperature=0)
+    assert out.usage.completion_tokens == 3
