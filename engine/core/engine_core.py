@@ -149,6 +149,7 @@ class EngineCore:
             if self.adapters is not None:
                 self.adapters.wait_loads()
             return results
+        self._order_decodes_by_slot(out)
         sampled = self.runner.execute(out, self._lora_batch(out))
         finished = {id(r) for r in self.scheduler.update(out, sampled)}
         for row, token in sampled.items():
@@ -160,6 +161,16 @@ class EngineCore:
                 self.requests.pop(req.request_id, None)
                 self.runner.sampler.forget(req.request_id)
         return results
+
+    def _order_decodes_by_slot(self, out) -> None:
+        """Lay decode tokens out in compute-slot order so the LoRA path reads and writes them in place."""
+        if self.slots is None:
+            return
+        d = sum(1 for n in out.num_new_tokens if n == 1)   # decodes come first, one token each
+
+        def slot(req) -> int:
+            return self.slots.slot_of[req.adapter_id] if req.adapter_id else -1
+        out.requests[:d] = sorted(out.requests[:d], key=slot)
 
     def _lora_batch(self, out) -> LoraBatch | None:
         if self.slots is None:

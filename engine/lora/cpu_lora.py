@@ -27,6 +27,7 @@ class Bucket:
     tokens: torch.Tensor          # [Sb, Tb] token rows per slot, padded with row 0
     valid: torch.Tensor           # [n_valid] positions in the padded [Sb * Tb] that are real tokens
     targets: torch.Tensor         # [n_valid] token rows the valid positions add into
+    rows: slice | None = None     # set when slot lo+i holds exactly token rows.start+i: no gather/scatter
 
 
 class LoraBatch:
@@ -63,6 +64,9 @@ class LoraBatch:
         a_name, b_names, _ = GROUPS[group]
         r, g = self.rank, len(b_names)
         for bk in self.buckets:
+            if bk.rows is not None:
+                self._apply_rows(layer, a_name, b_names, bk, x, y)
+                continue
             sb, tb = bk.tokens.shape
             xp = torch.index_select(x, 0, bk.tokens.flatten()).view(sb, tb, -1)          # [Sb, Tb, in]
             a = self.buf[a_name][layer, bk.slots][:, :r]                                # [Sb, r, g, in]
@@ -83,12 +87,27 @@ class LoraBatch:
             y.index_copy_(0, bk.targets, torch.index_select(y, 0, bk.targets) + out)
 
 
+    def _apply_rows(self, layer, a_name, b_names, bk: Bucket, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One token per slot, tokens in slot order: read x and add into y in place (decode)."""
+        r, g = self.rank, len(b_names)
+        xp = x[bk.rows].unsqueeze(1)                                                    # [Sb, 1, in]
+        a = self.buf[a_name][layer, bk.slots][:, :r]                                    # [Sb, r, g, in]
+        v = torch.bmm(xp, a.flatten(1, 2).transpose(1, 2)).view(-1, r, g)             # [Sb, r, g]
+        col = 0
+        for i, b in enumerate(b_names):
+            out = torch.bmm(self.buf[b][layer, bk.slots][:, :, :r], v[:, :, i:i + 1])  # [Sb, out_i, 1]
+            n = out.shape[1]
+            y[bk.rows, col:col + n] += out.squeeze(2)
+            col += n
+
+
 def _bucket(group: list[int], per_slot: dict[int, list[int]]) -> Bucket:
     """A dense enough run of slots is read in place as a range (idle slots in it get no tokens);
     a sparse one is gathered (a copy of those slots' weights)."""
     lo, hi = group[0], group[-1] + 1
     if hi - lo <= 2 * len(group):
-        slots, token_lists = slice(lo, hi), [per_slot.get(s, []) for s in range(lo, hi)]
+        members = set(group)   # NOTE: slots of other buckets inside the range get no tokens here
+        slots, token_lists = slice(lo, hi), [per_slot[s] if s in members else [] for s in range(lo, hi)]
     else:
         slots, token_lists = torch.tensor(group), [per_slot[s] for s in group]
     width = max(len(t) for t in token_lists)
@@ -98,4 +117,9 @@ def _bucket(group: list[int], per_slot: dict[int, list[int]]) -> Bucket:
         tokens[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
         valid[i, : len(toks)] = True
     valid = valid.flatten()
-    return Bucket(slots, tokens, valid.nonzero().flatten(), tokens.flatten()[valid])
+    rows = None
+    if isinstance(slots, slice) and width == 1 and bool(valid.all()):
+        first = token_lists[0][0]
+        if all(t[0] == first + i for i, t in enumerate(token_lists)):
+            rows = slice(first, first + len(token_lists))
+    return Bucket(slots, tokens, valid.nonzero().flatten(), tokens.flatten()[valid], rows)
