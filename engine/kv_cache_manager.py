@@ -28,7 +28,8 @@ class KVCacheManager:
         self.pool = pool
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        # reclaim(n) frees up to n pages held by idle adapters (S-LoRA: KV and adapters share the pool)
+        # reclaim(n, keep) frees up to n pages held by idle adapters other than `keep` (S-LoRA: KV and
+        # adapters share the pool; the adapter of the request being admitted must stay)
         self.reclaim = None
         self.adapter_hashes: dict[int, set[bytes]] = {}
 
@@ -70,7 +71,7 @@ class KVCacheManager:
         reclaimed = sum(1 for p in cached_pages if self.pool.ref_count[p] == 0)
         short = need - (self.pool.num_free - reclaimed)
         if short > 0 and self.reclaim is not None:
-            self.reclaim(short)
+            self.reclaim(short, keep=req.adapter_id)
             short = need - (self.pool.num_free - reclaimed)
         return short <= 0
 

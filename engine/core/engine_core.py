@@ -72,8 +72,13 @@ class EngineCore:
         if any(t < 0 or t >= vocab for t in req.prompt_token_ids):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
         need = self.kv.blocks_needed(n + self.max_tokens_for(n, req.params.max_tokens))
-        if need > self.pool.num_pages:
-            raise ValueError(f"prompt + max_tokens need {need} KV blocks; the pool holds {self.pool.num_pages}")
+        adapter_pages = 0
+        if req.adapter is not None and self.adapters is not None and req.adapter in self.adapters.by_name:
+            adapter_pages = self.adapters.by_name[req.adapter].layout.num_pages(self.adapters.page_elems)
+        if need + adapter_pages > self.pool.num_pages:
+            raise ValueError(f"prompt + max_tokens need {need} KV blocks" +
+                             (f" and adapter {req.adapter!r} {adapter_pages} pages" if adapter_pages else "") +
+                             f"; the pool holds {self.pool.num_pages} pages")
 
     # -- adapters ---------------------------------------------------------------------------------------
     def _lora_manager(self) -> AdapterManager:
@@ -146,8 +151,10 @@ class EngineCore:
         results = self._finish_failed_loads()
         out = self.scheduler.schedule()
         if out.is_empty:
-            if self.adapters is not None:
+            if self.adapters is not None and self.adapters.loading():
                 self.adapters.wait_loads()
+            elif self.scheduler.waiting and not self.scheduler.running:
+                results.append(self._fail_unservable(self.scheduler.waiting[0]))
             return results
         self._order_decodes_by_slot(out)
         sampled = self.runner.execute(out, self._lora_batch(out))
@@ -181,6 +188,14 @@ class EngineCore:
             token_slots.extend([slot] * n)
             token_adapters.append(req.adapter_id)
         return LoraBatch.build(self.slots, token_slots, token_adapters)
+
+    def _fail_unservable(self, req: Request) -> TokenOutput:
+        """Nothing runs or loads, yet the head request cannot start: the pool cannot hold it (e.g. with
+        pinned adapters). Fail it with an error instead of spinning."""
+        self.abort(req.request_id)
+        self.load_errors[req.request_id] = (f"request {req.request_id!r} does not fit in the pool next to the "
+                                            f"pinned adapters ({self.pool.num_pages} pages)")
+        return TokenOutput(req.request_id, [], "abort", req.num_prompt_tokens, 0, 0)
 
     def _finish_failed_loads(self) -> list[TokenOutput]:
         """An adapter whose load failed (e.g. its files changed on disk) fails its waiting requests."""

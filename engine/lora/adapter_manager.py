@@ -209,6 +209,9 @@ class AdapterManager:
                 failed.append((a, str(err)))
         return failed
 
+    def loading(self) -> bool:
+        return any(a.state == AdapterState.LOADING for a in self.by_id.values())
+
     def wait_loads(self) -> None:
         """Block until every started load is finished (used when nothing else can run)."""
         for a in list(self.by_id.values()):
@@ -219,16 +222,16 @@ class AdapterManager:
     def evictable(self, a: Adapter) -> bool:
         return a.state == AdapterState.RESIDENT and a.active == 0 and not a.pinned
 
-    def evict_idle(self, num_pages: int, evict_queued: bool = True) -> int:
-        """Evict idle resident adapters until `num_pages` pages are freed: least recently used first,
-        those no queued request needs before those that one does (only if `evict_queued`)."""
+    def evict_idle(self, num_pages: int, evict_queued: bool = True, keep: int = 0) -> int:
+        """Evict idle resident adapters (never `keep`) until `num_pages` pages are freed: least recently
+        used first, those no queued request needs before those that one does (only if `evict_queued`)."""
         freed = 0
         for pass_queued in (False, True) if evict_queued else (False,):
             for adapter_id in list(self.lru):
                 a = self.by_id[adapter_id]
                 if freed >= num_pages:
                     return freed
-                if self.evictable(a) and (a.queued > 0) == pass_queued:
+                if self.evictable(a) and (a.queued > 0) == pass_queued and adapter_id != keep:
                     freed += len(a.pages)
                     self._evict(a)
         return freed

@@ -70,3 +70,21 @@ def test_lora_batch_matches_per_token_reference(kind):
         y = torch.zeros_like(ref)
         batch.apply(1, group, x, y)
         torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_batches_match_reference(seed):
+    rng = random.Random(seed)
+    ranks = [rng.choice([1, 2, 4, 8, 16]) for _ in range(rng.randint(1, 6))]
+    slots = make_slots(ranks)
+    token_slots = []
+    for _ in range(rng.randint(1, 10)):        # requests: decodes, short and long prefill chunks, base
+        token_slots += [rng.randrange(-1, len(ranks))] * rng.choice([1, 1, 2, 5, 9, 17])
+    if all(s < 0 for s in token_slots):
+        token_slots[0] = 0
+    batch = LoraBatch.build(slots, token_slots, [s + 1 if s >= 0 else 0 for s in token_slots])
+    x = torch.randn(len(token_slots), 32)
+    ref = reference(slots, 0, "qkv", x, token_slots)
+    y = torch.zeros_like(ref)
+    batch.apply(0, "qkv", x, y)
+    torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
