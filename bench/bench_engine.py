@@ -59,7 +59,6 @@ def main() -> None:
     p.add_argument("--max-batched-tokens", type=int, default=2048)
     p.add_argument("--skip-hf", action="store_true")
     args = p.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
     prompts = make_prompts(args.num, args.prompt_len, 49152)
     print(f"{args.num} requests x ({args.prompt_len} prompt + {args.out_len} new tokens), {args.dtype}, "
           f"{torch.get_num_threads()} threads")

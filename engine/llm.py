@@ -101,6 +101,7 @@ class LLM:
                     results[d.request_id].num_cached_tokens = d.cached_tokens
                     if d.finish_reason is not None:
                         out.finish_reason = d.finish_reason
+                        out.error = self.engine.request_errors.pop(d.request_id, None)
                         bar.update()
         finally:
             bar.close()

@@ -10,6 +10,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    error: str | None = None     # why the engine gave up on the request (finish_reason "abort")
 
 
 @dataclass
@@ -31,6 +32,10 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+    @property
+    def error(self) -> str | None:
+        return self.outputs[0].error
 
     @property
     def finished(self) -> bool:

@@ -101,7 +101,7 @@ class OpenAIServer:
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             raise ApiError(400, "'cache_salt' must be a string", "cache_salt")
-        stream = oai._get(body, "stream", bool, False)
+        stream = oai.field(body, "stream", bool, False)
         rid = oai.new_id("chatcmpl" if chat else "cmpl")
         model = body["model"]
         gen = self.client.generate(ids, params, adapter, salt, stream=stream, request_id=rid)
@@ -111,7 +111,7 @@ class OpenAIServer:
         out = None
         async for out in gen:
             pass
-        self.observe(adapter, out.finish_reason, start, None)
+        self.observe(adapter, out.finish_reason, start)
         use = oai.usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
         return web.json_response(oai.completion_response(rid, model, out.text, _finish(out.finish_reason), chat, use))
 
@@ -146,7 +146,7 @@ class OpenAIServer:
                          "usage": oai.usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)}
                 await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
-            self.observe(adapter, out.finish_reason, start, None)
+            self.observe(adapter, out.finish_reason, start)
         except EngineError as e:
             await resp.write(b"data: " + json.dumps(ApiError(e.status, str(e)).body()).encode() + b"\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
@@ -156,7 +156,7 @@ class OpenAIServer:
             await gen.aclose()          # aborts the request in the engine if it is still running
         return resp
 
-    def observe(self, adapter: str | None, finish: str | None, start: float, _) -> None:
+    def observe(self, adapter: str | None, finish: str | None, start: float) -> None:
         metrics.E2E.observe(time.monotonic() - start)
         metrics.REQUESTS.labels(self.labels(adapter), finish or "none").inc()
 
@@ -172,16 +172,16 @@ class OpenAIServer:
 
     async def load_adapter(self, request: web.Request) -> web.Response:
         body = await self.body(request)
-        name = oai._get(body, "lora_name", str, required=True)
-        path = oai._get(body, "lora_path", str, "")
-        pinned = oai._get(body, "pinned", bool, False)
+        name = oai.field(body, "lora_name", str, required=True)
+        path = oai.field(body, "lora_path", str, "")
+        pinned = oai.field(body, "pinned", bool, False)
         self.check_health()
         await self.client.load_adapter(name, path, pinned)
         return web.json_response({"status": "ok", "message": f"adapter {name!r} loaded"})
 
     async def unload_adapter(self, request: web.Request) -> web.Response:
         body = await self.body(request)
-        name = oai._get(body, "lora_name", str, required=True)
+        name = oai.field(body, "lora_name", str, required=True)
         self.check_health()
         await self.client.unload_adapter(name)
         return web.json_response({"status": "ok", "message": f"adapter {name!r} unloaded"})

@@ -20,7 +20,7 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
-def _get(body: dict, name: str, types, default=None, required: bool = False):
+def field(body: dict, name: str, types, default=None, required: bool = False):
     if name not in body or body[name] is None:
         if required:
             raise ApiError(400, f"'{name}' is required", name)
@@ -41,32 +41,32 @@ def _names(types) -> str:
 
 def sampling_params(body: dict, default_max_tokens: int | None) -> SamplingParams:
     """The sampling fields of a completions or chat body."""
-    stop = _get(body, "stop", (str, list), [])
+    stop = field(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) for s in stop):
         raise ApiError(400, "'stop' must be a string or an array of strings", "stop")
-    max_tokens = _get(body, "max_completion_tokens", int, None) or _get(body, "max_tokens", int, default_max_tokens)
-    n = _get(body, "n", int, 1)
+    max_tokens = field(body, "max_completion_tokens", int, None) or field(body, "max_tokens", int, default_max_tokens)
+    n = field(body, "n", int, 1)
     if n != 1:
         raise ApiError(400, "'n' other than 1 is not supported", "n")
-    kw = dict(temperature=float(_get(body, "temperature", (int, float), 1.0)),
-              top_p=float(_get(body, "top_p", (int, float), 1.0)), top_k=_get(body, "top_k", int, -1),
-              seed=_get(body, "seed", int, None), max_tokens=max_tokens, stop=stop,
-              stop_token_ids=_get(body, "stop_token_ids", list, []), ignore_eos=_get(body, "ignore_eos", bool, False))
+    kw = dict(temperature=float(field(body, "temperature", (int, float), 1.0)),
+              top_p=float(field(body, "top_p", (int, float), 1.0)), top_k=field(body, "top_k", int, -1),
+              seed=field(body, "seed", int, None), max_tokens=max_tokens, stop=stop,
+              stop_token_ids=field(body, "stop_token_ids", list, []), ignore_eos=field(body, "ignore_eos", bool, False))
     try:
         return SamplingParams(**kw)
     except ValueError as e:
-        field = next((f for f in kw if str(e).startswith(f)), None)
-        raise ApiError(400, str(e), field) from None
+        param = next((f for f in kw if str(e).startswith(f)), None)
+        raise ApiError(400, str(e), param) from None
 
 
 def stream_options(body: dict) -> bool:
-    opts = _get(body, "stream_options", dict, {})
+    opts = field(body, "stream_options", dict, {})
     return bool(opts.get("include_usage", False))
 
 
 def completion_prompt(body: dict) -> str | list[int]:
-    prompt = _get(body, "prompt", (str, list), required=True)
+    prompt = field(body, "prompt", (str, list), required=True)
     if isinstance(prompt, list):
         if len(prompt) == 1 and isinstance(prompt[0], str):
             return prompt[0]
@@ -77,7 +77,7 @@ def completion_prompt(body: dict) -> str | list[int]:
 
 
 def chat_messages(body: dict) -> list[dict]:
-    messages = _get(body, "messages", list, required=True)
+    messages = field(body, "messages", list, required=True)
     if not messages:
         raise ApiError(400, "'messages' must not be empty", "messages")
     out = []

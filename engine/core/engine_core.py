@@ -48,7 +48,7 @@ class EngineCore:
             admission = AdapterAdmission(cfg.lora, self.adapters, self.slots)
         self.scheduler = Scheduler(cfg.scheduler, self.kv, admission)
         self.requests: dict[str, Request] = {}
-        self.load_errors: dict[str, str] = {}
+        self.request_errors: dict[str, str] = {}   # request id -> why it was aborted (read by the caller)
         log.info("engine ready: model %s (%s), %d pages of %d KiB", cfg.model.name, cfg.model.dtype,
                  num_pages, page_bytes // 1024)
 
@@ -193,7 +193,7 @@ class EngineCore:
         """Nothing runs or loads, yet the head request cannot start: the pool cannot hold it (e.g. with
         pinned adapters). Fail it with an error instead of spinning."""
         self.abort(req.request_id)
-        self.load_errors[req.request_id] = (f"request {req.request_id!r} does not fit in the pool next to the "
+        self.request_errors[req.request_id] = (f"request {req.request_id!r} does not fit in the pool next to the "
                                             f"pinned adapters ({self.pool.num_pages} pages)")
         return TokenOutput(req.request_id, [], "abort", req.num_prompt_tokens, 0, 0)
 
@@ -205,6 +205,6 @@ class EngineCore:
         for adapter, error in self.adapters.poll():
             for req in [r for r in self.scheduler.waiting if r.adapter_id == adapter.adapter_id]:
                 self.abort(req.request_id)
-                self.load_errors[req.request_id] = f"adapter {adapter.name!r} failed to load: {error}"
+                self.request_errors[req.request_id] = f"adapter {adapter.name!r} failed to load: {error}"
                 results.append(TokenOutput(req.request_id, [], "abort", req.num_prompt_tokens, 0, 0))
         return results

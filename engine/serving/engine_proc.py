@@ -179,24 +179,29 @@ class AsyncEngine:
             await self.send_q.put((identity, await self.adapter_command(msg)))
 
     async def add(self, identity: bytes, req: GenerateRequest) -> None:
-        status = 400
         try:
-            if req.adapter is not None and self.core.adapters is not None and req.adapter not in self.core.adapters.by_name:
-                status = 404
-                if self.adapter_dir:
-                    path = resolve_adapter_dir(self.adapter_dir, req.adapter)
-                    await self._run(self.core.register_adapter, req.adapter, str(path))
-                    await self.broadcast_status()
-            status = 400
+            await self.load_on_demand(req.adapter)
             self.core.add_request(req)
         except LookupError as e:
             return await self.refuse(identity, req.request_id, str(e.args[0]) if e.args else str(e), 404)
         except ValueError as e:
-            return await self.refuse(identity, req.request_id, str(e), status)
+            return await self.refuse(identity, req.request_id, str(e), 400)
         self.owner[req.request_id] = identity
         self.stream[req.request_id] = req.stream
         self.processor.add(req.request_id, req.prompt_token_ids, req.params.stop,
                            req.params.include_stop_str_in_output)
+
+    async def load_on_demand(self, name: str | None) -> None:
+        """Register DIR/<name> for an adapter name not registered yet. Any failure to find or read it is
+        an unknown model to the client (LookupError -> 404)."""
+        if name is None or self.core.adapters is None or name in self.core.adapters.by_name or not self.adapter_dir:
+            return
+        try:
+            path = resolve_adapter_dir(self.adapter_dir, name)
+            await self._run(self.core.register_adapter, name, str(path))
+        except ValueError as e:
+            raise LookupError(str(e)) from None
+        await self.broadcast_status()
 
     async def refuse(self, identity: bytes, request_id: str, error: str, status: int) -> None:
         await self.send_q.put((identity, RequestOutput(request_id, finish_reason="abort", error=error, status=status)))
@@ -233,8 +238,8 @@ class AsyncEngine:
             identity = self.owner.get(d.request_id)
             if identity is None:
                 continue
-            if d.request_id in self.core.load_errors:
-                d.error, d.status = self.core.load_errors.pop(d.request_id), 500
+            if d.request_id in self.core.request_errors:
+                d.error, d.status = self.core.request_errors.pop(d.request_id), 500
             if not self.stream.get(d.request_id, True):
                 d = self._accumulate(d)
                 if d is None:

@@ -110,3 +110,16 @@ def test_a_loading_adapter_holds_up_nobody(llm, adapter_dir, monkeypatch):
     assert tokens_while_loading >= 5, "the base request must decode while the adapter loads"
     assert core.adapters.stats.cold_starts >= 1
     llm.unregister_adapter("slow")
+
+
+def test_adapter_whose_files_broke_fails_its_requests_with_an_error(llm, adapter_dir, tmp_path):
+    import shutil
+    d, _ = adapter_dir
+    shutil.copytree(d / "r4-qv", tmp_path / "fragile")
+    llm.register_adapter("fragile", str(tmp_path / "fragile"))
+    llm.engine.adapters.host.clear()                       # force a read from disk at load time
+    (tmp_path / "fragile" / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    broken, fine = llm.generate(["Hi", "Hi"], GREEDY, adapter=["fragile", None])
+    assert broken.finish_reason == "abort" and "fragile" in broken.error
+    assert fine.finish_reason == "length" and fine.error is None
+    llm.unregister_adapter("fragile")
