@@ -16,6 +16,12 @@ def num_threads() -> int:
     return int(value) if value else (os.cpu_count() or 1)
 
 
+def cpu_kernels_enabled() -> bool:
+    """Use the C kernels of kernels/cpu (built on first use with the system's C compiler) unless
+    $LORAPLEX_CPU_KERNELS is 0."""
+    return os.environ.get("LORAPLEX_CPU_KERNELS", "1") != "0"
+
+
 def log_level() -> str:
     return os.environ.get("LORAPLEX_LOG_LEVEL", "INFO")
 

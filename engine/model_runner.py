@@ -11,9 +11,11 @@ import torch
 
 from engine.config import EngineConfig
 from engine.model.attention import AttentionMetadata, PrefillSeq
+from engine.memory import huge_zeros
 from engine.model.llama import LlamaModel, LoraHook
 from engine.model.weights import load_weights
 from engine.sampler import Sampler
+from kernels.cpu import attention as cpu_attention
 from engine.scheduler import SchedulerOutput
 
 
@@ -37,10 +39,11 @@ class ModelRunner:
         m = cfg.model
         self.block_size = cfg.cache.block_size
         self.model = LlamaModel(m, load_weights(m))
-        self.storage = torch.zeros(num_pages, page_elems(cfg), dtype=m.dtype)
+        self.storage = huge_zeros(num_pages, page_elems(cfg), dtype=m.dtype)
         paged = self.storage.view(num_pages, m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim)
         self.kv_caches = [(paged[:, i, 0], paged[:, i, 1]) for i in range(m.num_layers)]
         self.sampler = Sampler(cfg.seed)
+        self.c_decode_attention = cpu_attention.supports(m.dtype)   # else decode uses SDPA over a gather
         # When a dict, execute() stores each sampling request's fp32 logits [vocab] in it (for tests).
         self.capture_logits: dict[str, torch.Tensor] | None = None
 
@@ -68,15 +71,17 @@ class ModelRunner:
                 sample_rows.append(row)
                 logits_idx.append(len(ids) - 1)
         meta = AttentionMetadata(
-            slot_page=torch.tensor(pages, dtype=torch.long), slot_offset=torch.tensor(offs, dtype=torch.long), num_decode=len(decode_tables),
-            decode_block_tables=None, decode_mask=None, prefills=prefills)
+            slot_page=torch.tensor(pages, dtype=torch.long), slot_offset=torch.tensor(offs, dtype=torch.long),
+            num_decode=len(decode_tables), decode_block_tables=None, decode_lens=None, decode_mask=None,
+            prefills=prefills)
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])
-            lens = torch.tensor(decode_lens)
-            visible = torch.arange(width * bs)[None, :] < lens[:, None]
-            meta.decode_mask = torch.zeros(visible.shape, dtype=self.cfg.model.dtype).masked_fill_(
-                ~visible, float("-inf"))[:, None, None, :]
+            meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long)
+            if not self.c_decode_attention:
+                visible = torch.arange(width * bs)[None, :] < meta.decode_lens[:, None]
+                meta.decode_mask = torch.zeros(visible.shape, dtype=self.cfg.model.dtype).masked_fill_(
+                    ~visible, float("-inf"))[:, None, None, :]
         return ForwardInput(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, torch.tensor(logits_idx, dtype=torch.long), sample_rows)
 
     def execute(self, out: SchedulerOutput, lora: LoraHook | None = None) -> dict[int, int]:

@@ -18,6 +18,7 @@ from engine.lora.adapter_manager import AdapterManager
 from engine.lora.admission import AdapterAdmission
 from engine.lora.cpu_lora import LoraBatch
 from engine.lora.slots import LoraSlots
+from engine.memory import keep_freed_memory
 from engine.model_runner import ModelRunner, page_elems
 from engine.page_pool import PagePool
 from engine.request import FinishReason, Request
@@ -30,6 +31,7 @@ log = logging.getLogger("loraplex.engine")
 class EngineCore:
     def __init__(self, cfg: EngineConfig):
         torch.set_num_threads(envs.num_threads())
+        keep_freed_memory()
         self.cfg = cfg
         page_bytes = page_elems(cfg) * cfg.model.dtype.itemsize
         num_pages = cfg.cache.kv_cache_memory_bytes // page_bytes

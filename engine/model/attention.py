@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import attention as cpu_attention
+
 
 @dataclass
 class PrefillSeq:
@@ -30,7 +32,9 @@ class AttentionMetadata:
     slot_offset: torch.Tensor       # [T] offset inside that page
     num_decode: int
     decode_block_tables: torch.Tensor | None  # [D, max_blocks] (padded with page 0)
-    decode_mask: torch.Tensor | None          # [D, 1, 1, max_blocks * block_size] additive, model dtype
+    decode_lens: torch.Tensor | None          # [D] int64 context length of each decode request
+    decode_mask: torch.Tensor | None          # [D, 1, 1, max_blocks * block_size] additive, model dtype;
+                                              # only for the torch path (None when the C kernel runs)
     prefills: list[PrefillSeq]
 
 
@@ -55,7 +59,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: [T, heads, head_dim] -> out: [T, heads, head_dim]."""
     out = torch.empty_like(q)
     d = meta.num_decode
-    if d:
+    if d and meta.decode_mask is None:
+        out[:d] = cpu_attention.decode_attention(q[:d], k_cache, v_cache, meta.decode_block_tables,
+                                                 meta.decode_lens, scale)
+    elif d:
         kvh, head_dim = k_cache.shape[-2:]
         # The query heads sharing a KV head act as that head's "query rows": [D, kvh, group, d].
         qd = q[:d].view(d, kvh, -1, head_dim)

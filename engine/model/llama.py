@@ -44,7 +44,7 @@ class LlamaModel:
         cos, sin = self.rope.tables(positions)
         for i, layer in enumerate(self.w.layers):
             h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv)                              # [T, q + 2kv]
+            qkv = layer.qkv(h)                              # [T, q + 2kv]
             if lora is not None:
                 lora.apply(i, "qkv", h, qkv)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
@@ -54,19 +54,19 @@ class LlamaModel:
             k_cache, v_cache = kv_caches[i]
             write_kv(k_cache, v_cache, k, v, meta)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale).flatten(1)  # [T, q]
-            o = F.linear(attn, layer.o)
+            o = layer.o(attn)
             if lora is not None:
                 lora.apply(i, "o", attn, o)
             x = x + o
             h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate_up = F.linear(h, layer.gate_up)                      # [T, 2I]
+            gate_up = layer.gate_up(h)                      # [T, 2I]
             if lora is not None:
                 lora.apply(i, "gate_up", h, gate_up)
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-            down = F.linear(act, layer.down)
+            down = layer.down(act)
             if lora is not None:
                 lora.apply(i, "down", act, down)
             x = x + down
         x = rms_norm(x[logits_indices], self.w.norm, cfg.rms_norm_eps)
-        return F.linear(x, self.w.lm_head).float()
+        return self.w.lm_head(x).float()

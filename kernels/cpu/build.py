@@ -1,0 +1,75 @@
+"""Compile a C source of this package once per machine and load it with ctypes.
+
+The shared object is cached under `$LORAPLEX_CACHE/kernels/`, keyed by the source, the compiler flags
+and this CPU's feature flags (it is built with -march=native). Building writes a temporary file and
+renames it into place, so concurrent processes never load a half-written library. Load it after
+`import torch`: the library's OpenMP calls then bind to the runtime torch already loaded, so both
+share one thread pool.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from engine import envs
+
+log = logging.getLogger("loraplex.kernels")
+
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build(name: str) -> ctypes.CDLL:
+    """Build (if needed) and load `<name>.c` from this directory. Raises RuntimeError when it cannot."""
+    src = Path(__file__).with_name(f"{name}.c")
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc or cc) on PATH")
+    sources = [src, *sorted(src.parent.glob("*.h"))]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(FLAGS).encode()
+                         + _cpu_flags().encode()).hexdigest()[:16]
+    out = Path(envs.cache_dir()) / "kernels" / f"{name}-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        proc = subprocess.run([cc, *FLAGS, f"-I{src.parent}", str(src), "-o", tmp, "-lm"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            os.unlink(tmp)
+            raise RuntimeError(f"compiling {src.name} failed: {proc.stderr.strip()[:2000]}")
+        os.replace(tmp, out)
+        log.info("built %s", out)
+    return ctypes.CDLL(str(out))
+
+
+def load_functions(name: str, symbols: dict, argtypes: list) -> dict | None:
+    """{key: C function} for `symbols` ({key: symbol name}) of library `name`, with ctypes signatures set;
+    None when the C kernels are disabled (LORAPLEX_CPU_KERNELS=0) or cannot be built here."""
+    if not envs.cpu_kernels_enabled():
+        return None
+    try:
+        lib = build(name)
+    except (RuntimeError, OSError) as e:
+        log.warning("C kernel %s unavailable, using the torch path: %s", name, e)
+        return None
+    fns = {}
+    for key, sym in symbols.items():
+        fn = getattr(lib, sym)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        fns[key] = fn
+    return fns
