@@ -1,4 +1,9 @@
-"""Token sampling per request: greedy, temperature, top-k, top-p, seeded generators."""
+"""Token sampling per request: greedy, temperature, top-k, top-p, seeded generators.
+
+Sampling draws one uniform number per row and inverts the row's CDF (searchsorted over a cumulative
+sum), instead of `torch.multinomial`, which draws one exponential per vocabulary entry (0.75 ms a row
+for a 49k vocabulary here). Rows with only a temperature, the common case, are done as one batch.
+"""
 from __future__ import annotations
 
 import torch
@@ -28,25 +33,39 @@ class Sampler:
     def sample(self, logits: torch.Tensor, request_ids: list[str],
                params: list[SamplingParams]) -> list[int]:
         """logits: [B, vocab] (any float dtype) -> B token ids."""
-        greedy = logits.argmax(dim=-1).tolist()
-        out = list(greedy)
-        for i, p in enumerate(params):
-            if not p.greedy:
-                out[i] = self._sample_row(logits[i].float(), p, self._generator(request_ids[i], p))
+        out = logits.argmax(dim=-1).tolist()
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not rows:
+            return out
+        # one uniform per sampled row, drawn in row order from that row's generator
+        u = torch.cat([torch.rand(1, generator=self._generator(request_ids[i], params[i])) for i in rows])
+        temps = torch.tensor([params[i].temperature for i in rows])
+        probs = (logits[rows].float() / temps[:, None]).softmax(-1)
+        for j, i in enumerate(rows):
+            if params[i].top_k > 0 or params[i].top_p < 1.0:
+                probs[j] = _truncate(probs[j], params[i])
+        for i, token in zip(rows, _invert_cdf(probs, u)):
+            out[i] = token
         return out
 
-    @staticmethod
-    def _sample_row(row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
-        row = row / p.temperature
-        if p.top_k > 0 and p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(row, descending=True)
-            probs = sorted_logits.softmax(-1)
-            # keep the smallest prefix whose mass reaches top_p (always at least one token)
-            drop = probs.cumsum(-1) - probs >= p.top_p
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            row = torch.full_like(row, float("-inf")).scatter(0, order, sorted_logits)
-        probs = row.softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=gen).item())
+
+def _truncate(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """probs: [vocab] -> the same with every token outside top-k / top-p set to 0 (not renormalised)."""
+    sorted_probs, order = torch.sort(probs, descending=True)
+    drop = torch.zeros_like(sorted_probs, dtype=torch.bool)
+    if 0 < p.top_k < probs.numel():
+        drop[p.top_k:] = True
+    if p.top_p < 1.0:
+        kept = sorted_probs.masked_fill(drop, 0.0)
+        # keep the smallest prefix whose mass reaches top_p of the kept mass (always at least one token)
+        drop |= kept.cumsum(-1) - kept >= p.top_p * kept.sum()
+    return torch.zeros_like(probs).scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+
+
+def _invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
+    """probs: [B, vocab] non-negative (any scale); u: [B] in [0, 1) -> B ids, id i with probability
+    probs[i] / sum. Tokens of probability 0 are never returned."""
+    cdf = probs.cumsum(-1)
+    target = (u * cdf[:, -1])[:, None]
+    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return idx.clamp_(max=probs.shape[1] - 1).tolist()

@@ -3,12 +3,13 @@
 The page pool is the adapters' home (no rank padding); a slot is a copy of one resident adapter, read
 from its pages through the page table when the adapter starts running, laid out so every layer's LoRA
 is a few batched matmuls over slots. Rows past an adapter's rank are zero; B is pre-multiplied by the
-module's scale. Per layer l (R = max_lora_rank, S = max_loras), A rows are rank-major so that
-a[l, s, :r] is one contiguous [r * g, in] matrix for any r <= R:
-    a_qkv[l]: [S, R, 3, H]   b_q[l]: [S, q, R]   b_k[l], b_v[l]: [S, kv, R]
-    a_o[l]:   [S, R, 1, q]   b_o[l]: [S, H, R]
-    a_gu[l]:  [S, R, 2, H]   b_g[l], b_u[l]: [S, I, R]
-    a_d[l]:   [S, R, 1, I]   b_d[l]: [S, H, R]
+module's scale and stored transposed. Per layer l (R = max_lora_rank, S = max_loras), both are
+rank-major, so that a[l, s, :r] is one contiguous [r * g, in] matrix and b[l, s, :r] one contiguous
+[r, out] matrix for any r <= R (an adapter of rank r streams exactly its own bytes):
+    a_qkv[l]: [S, R, 3, H]   b_q[l]: [S, R, q]   b_k[l], b_v[l]: [S, R, kv]
+    a_o[l]:   [S, R, 1, q]   b_o[l]: [S, R, H]
+    a_gu[l]:  [S, R, 2, H]   b_g[l], b_u[l]: [S, R, I]
+    a_d[l]:   [S, R, 1, I]   b_d[l]: [S, R, H]
 """
 from __future__ import annotations
 
@@ -19,25 +20,40 @@ import torch
 from engine.config import LoraConfig, ModelConfig
 from engine.memory import huge_zeros
 from engine.lora.layout import PackedLayout, unpack_module
+from kernels.cpu import lora as c_lora
 
 # group -> (A buffer, index inside it, B buffer) per module
 SLOT_OF_MODULE = {"q_proj": ("a_qkv", 0, "b_q"), "k_proj": ("a_qkv", 1, "b_k"), "v_proj": ("a_qkv", 2, "b_v"),
                   "o_proj": ("a_o", 0, "b_o"), "gate_proj": ("a_gu", 0, "b_g"), "up_proj": ("a_gu", 1, "b_u"),
                   "down_proj": ("a_d", 0, "b_d")}
 
+# fused group -> (A buffer, B buffers in output order, the projections they hold)
+GROUPS = {"qkv": ("a_qkv", ("b_q", "b_k", "b_v"), ("q_proj", "k_proj", "v_proj")), "o": ("a_o", ("b_o",), ("o_proj",)),
+          "gate_up": ("a_gu", ("b_g", "b_u"), ("gate_proj", "up_proj")), "down": ("a_d", ("b_d",), ("down_proj",))}
+
 
 class LoraSlots:
     def __init__(self, lora: LoraConfig, m: ModelConfig):
         S, R, L, H, I = lora.max_loras, lora.max_lora_rank, m.num_layers, m.hidden_size, m.intermediate_size
         z = lambda *shape: huge_zeros(L, S, *shape, dtype=m.dtype)   # noqa: E731
-        self.buf = {"a_qkv": z(R, 3, H), "b_q": z(m.q_size, R), "b_k": z(m.kv_size, R), "b_v": z(m.kv_size, R),
-                    "a_o": z(R, 1, m.q_size), "b_o": z(H, R), "a_gu": z(R, 2, H), "b_g": z(I, R), "b_u": z(I, R),
-                    "a_d": z(R, 1, I), "b_d": z(H, R)}
+        self.buf = {"a_qkv": z(R, 3, H), "b_q": z(R, m.q_size), "b_k": z(R, m.kv_size), "b_v": z(R, m.kv_size),
+                    "a_o": z(R, 1, m.q_size), "b_o": z(R, H), "a_gu": z(R, 2, H), "b_g": z(R, I), "b_u": z(R, I),
+                    "a_d": z(R, 1, I), "b_d": z(R, H)}
         self.num_slots = S
         self.slot_of: dict[int, int] = {}
         self.rank_of: dict[int, int] = {}
         self.modules_of: dict[int, frozenset[str]] = {}   # projections the adapter has weights for
         self.lru: OrderedDict[int, None] = OrderedDict()   # adapter ids holding slots, least recent first
+        self._c_weights: dict[tuple[int, str], c_lora.Weights] = {}
+
+    def c_weights(self, layer: int, group: str) -> "c_lora.Weights":
+        """The C kernel's view of one layer's fused group (built once, then cached)."""
+        key = (layer, group)
+        w = self._c_weights.get(key)
+        if w is None:
+            a_name, b_names, _ = GROUPS[group]
+            w = self._c_weights[key] = c_lora.Weights(self.buf[a_name][layer], [self.buf[b][layer] for b in b_names])
+        return w
 
     def has(self, adapter_id: int) -> bool:
         return adapter_id in self.slot_of
@@ -65,7 +81,7 @@ class LoraSlots:
             a, b = unpack_module(flat, s)
             a_name, idx, b_name = SLOT_OF_MODULE[module]
             self.buf[a_name][layer, slot, : s.rank, idx].copy_(a)
-            self.buf[b_name][layer, slot, :, : s.rank].copy_(b * s.scale)
+            self.buf[b_name][layer, slot, : s.rank].copy_((b * s.scale).T)
         self.slot_of[adapter_id] = slot
         self.rank_of[adapter_id] = max(s.rank for s in layout.modules.values())
         self.modules_of[adapter_id] = frozenset(module for _, module in layout.modules)

@@ -5,9 +5,21 @@ import pytest
 import torch
 
 from engine.config import LoraConfig
+from engine.lora import cpu_lora
 from engine.lora.cpu_lora import GROUPS, LoraBatch
 from engine.lora.slots import LoraSlots
 from tests.engine.lora.synthetic import TINY
+
+
+@pytest.fixture(params=["c-kernel", "matmul"], autouse=True)
+def path(request, monkeypatch):
+    """Every test runs on both paths for one-token buckets: the C kernel and batched matmuls."""
+    if request.param == "c-kernel":
+        if not cpu_lora.use_c_kernel(torch.float32):
+            pytest.skip("no C compiler here")
+    else:
+        monkeypatch.setattr(cpu_lora, "use_c_kernel", lambda dtype: False)
+    return request.param
 
 
 def make_slots(ranks):
@@ -17,10 +29,7 @@ def make_slots(ranks):
         for name, buf in slots.buf.items():
             part = buf[:, s]
             part.zero_()
-            if name.startswith("a"):
-                part[:, :r].copy_(torch.randn(part[:, :r].shape, generator=g))
-            else:
-                part[..., :r].copy_(torch.randn(part[..., :r].shape, generator=g))
+            part[:, :r].copy_(torch.randn(part[:, :r].shape, generator=g))   # A and B are rank-major
         slots.slot_of[s + 1] = s
         slots.rank_of[s + 1] = r
         slots.modules_of[s + 1] = frozenset(m for g_ in GROUPS.values() for m in g_[2])
@@ -29,16 +38,16 @@ def make_slots(ranks):
 
 def reference(slots, layer, group, x, token_slots):
     a_name, b_names, _ = GROUPS[group]
-    y = torch.zeros(x.shape[0], sum(slots.buf[b].shape[2] for b in b_names))
+    y = torch.zeros(x.shape[0], sum(slots.buf[b].shape[3] for b in b_names))
     for t, s in enumerate(token_slots):
         if s < 0:
             continue
         col = 0
         for i, b in enumerate(b_names):
             A = slots.buf[a_name][layer, s][:, i]          # [R, in]
-            B = slots.buf[b][layer, s]                     # [out, R]
-            y[t, col:col + B.shape[0]] = B @ (A @ x[t])
-            col += B.shape[0]
+            B = slots.buf[b][layer, s]                     # [R, out]
+            y[t, col:col + B.shape[1]] = B.T @ (A @ x[t])
+            col += B.shape[1]
     return y
 
 

@@ -82,27 +82,29 @@ def assert_pool_idle_but_adapters(llm):
     assert all(a.active == 0 and a.queued == 0 for a in llm.engine.adapters.by_id.values())
 
 
-def test_one_request_per_adapter_decodes_in_place_and_matches_peft(llm, adapter_dir, tokenizer):
-    """One decode token per slot, laid out in slot order: the in-place (no gather) LoRA path. The
-    prompts' lengths put one adapter's prefill in another bucket whose slot lies inside the first
-    bucket's slot range (a bug once applied that adapter twice)."""
-    import engine.lora.cpu_lora as cpu_lora
+def test_one_request_per_adapter_decodes_in_c_and_matches_peft(llm, adapter_dir, tokenizer):
+    """One decode token per slot: the C decode kernel. The prompts' lengths put one adapter's prefill
+    in another bucket whose slot lies inside the first bucket's slot range (a bug once applied that
+    adapter twice)."""
+    from kernels.cpu import lora as c_lora
+    if not c_lora.supports(torch.float32):
+        pytest.skip("no C compiler here")
     _, oracle = adapter_dir
     names = list(FIDELITY_ADAPTERS)[:4]
     jobs = [(name, tokenizer(PROMPTS[i % len(PROMPTS)])["input_ids"]) for i, name in enumerate(names)]
     jobs.append((None, tokenizer(PROMPTS[0])["input_ids"]))
     used = []
-    real = cpu_lora.LoraBatch._apply_rows
+    real = c_lora.LoraDecode.__call__
 
     def spy(self, *args):
         used.append(1)
         return real(self, *args)
-    cpu_lora.LoraBatch._apply_rows = spy
+    c_lora.LoraDecode.__call__ = spy
     try:
         outs = llm.generate([ids for _, ids in jobs], SamplingParams(temperature=0, max_tokens=10),
                             adapter=[name for name, _ in jobs])
     finally:
-        cpu_lora.LoraBatch._apply_rows = real
-    assert used, "the in-place decode path was not exercised"
+        c_lora.LoraDecode.__call__ = real
+    assert used, "the C decode path was not exercised"
     for (name, ids), out in zip(jobs, outs):
         assert out.token_ids == peft_greedy(oracle, name, ids, 10), name

@@ -1,0 +1,69 @@
+"""ctypes binding of the C multi-LoRA kernel for tokens alone in their slot (lora_decode.c).
+
+A `LoraDecode` is prepared once per step for a set of (token, slot, rank) triples and then called for
+every layer and fused group; weight pointers are cached per buffer view, so a call costs a few
+microseconds of Python.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels.cpu.build import load_functions
+
+_P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I, _P, _I64, _I, _I, _I, _P, _P, _P]
+_FNS: dict | None | bool = False   # False until first use
+
+
+def _fns():
+    global _FNS
+    if _FNS is False:
+        _FNS = load_functions("lora_decode", {torch.bfloat16: "lora_decode_bf16", torch.float32: "lora_decode_f32"},
+                              _ARGS)
+    return _FNS
+
+
+def supports(dtype: torch.dtype) -> bool:
+    fns = _fns()
+    return fns is not None and dtype in fns
+
+
+class Weights:
+    """One layer's fused group in the slot layout: a [S, R, G, in] (rows of a slot contiguous) and
+    bs[g] [S, R, out_g] (rows contiguous), checked once and turned into the kernel's pointer arrays."""
+
+    def __init__(self, a: torch.Tensor, bs: list[torch.Tensor]):
+        S, R, G, n_in = a.shape
+        assert len(bs) == G and a.stride()[1:] == (G * n_in, n_in, 1)
+        assert all(b.shape[:2] == (S, R) and b.stride()[1:] == (b.shape[2], 1) and b.dtype == a.dtype for b in bs)
+        self.a, self.bs = a, bs                      # keep the views (and their storage) alive
+        self.max_rank, self.groups, self.n_in = R, G, n_in
+        self.width = sum(b.shape[2] for b in bs)
+        self.b_ptrs = (ctypes.c_void_p * G)(*[b.data_ptr() for b in bs])
+        self.b_strides = (ctypes.c_int64 * G)(*[b.stride(0) for b in bs])
+        self.outs = (ctypes.c_int64 * G)(*[b.shape[2] for b in bs])
+
+
+class LoraDecode:
+    """y[t, cols of output g] += bs[g][s, :r]^T @ (a[s, :r, g] @ x[t]) for (t, s, r) in zip(tokens, slots,
+    ranks), in place. tokens, slots, ranks: [n] (tokens distinct, ranks <= R). Requires supports(dtype)."""
+
+    def __init__(self, tokens: torch.Tensor, slots: torch.Tensor, ranks: torch.Tensor, dtype: torch.dtype):
+        self.tokens, self.slots, self.ranks = (t.to(torch.int64).contiguous() for t in (tokens, slots, ranks))
+        assert self.tokens.shape == self.slots.shape == self.ranks.shape
+        self.n = len(self.tokens)
+        self.fn = _fns()[dtype]
+        self.dtype = dtype
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, w: Weights) -> None:
+        """x: [T, in]; y: [T, sum(out_g)]; rows of both contiguous."""
+        assert x.stride(1) == 1 and y.stride(1) == 1 and x.shape[1] == w.n_in and y.shape[1] == w.width
+        assert x.dtype == y.dtype == w.a.dtype == self.dtype
+        rc = self.fn(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), self.tokens.data_ptr(),
+                     self.slots.data_ptr(), self.ranks.data_ptr(), self.n, w.a.data_ptr(), w.a.stride(0),
+                     w.max_rank, w.groups, w.n_in, w.b_ptrs, w.b_strides, w.outs)
+        if rc != 0:
+            raise RuntimeError(f"lora_decode failed with code {rc} (max rank {w.max_rank}, groups {w.groups}, "
+                               f"in {w.n_in})")

@@ -1,0 +1,70 @@
+"""The sampler: greedy rows, the sampled distribution, top-k / top-p support, seeds."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.sampler import Sampler, _invert_cdf
+from engine.sampling_params import SamplingParams
+
+LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0, 0.0]) + 1e-30)
+
+
+def draw(params, n=4000, seed=0):
+    s = Sampler(seed)
+    logits = LOGITS.repeat(n, 1)
+    return torch.tensor(s.sample(logits, [f"r{i}" for i in range(n)], [params] * n))
+
+
+def test_greedy_rows_take_argmax_next_to_sampled_rows():
+    s = Sampler(0)
+    logits = torch.randn(4, 50)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0)] * 2
+    out = s.sample(logits, list("abcd"), params)
+    assert out[0] == int(logits[0].argmax()) and out[2] == int(logits[2].argmax())
+
+
+def test_frequencies_follow_the_softmax():
+    counts = torch.bincount(draw(SamplingParams(temperature=1.0)), minlength=6).float() / 4000
+    torch.testing.assert_close(counts, torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0, 0.0]), atol=0.03, rtol=0)
+
+
+def test_temperature_sharpens():
+    counts = torch.bincount(draw(SamplingParams(temperature=0.25)), minlength=6).float() / 4000
+    expected = (LOGITS / 0.25).softmax(-1)
+    torch.testing.assert_close(counts, expected, atol=0.03, rtol=0)
+
+
+@pytest.mark.parametrize("params,support", [(SamplingParams(top_k=2), {0, 1}), (SamplingParams(top_p=0.6), {0, 1}),
+                                            (SamplingParams(top_p=0.4), {0}), (SamplingParams(top_k=3, top_p=0.99), {0, 1, 2})])
+def test_top_k_and_top_p_limit_the_support(params, support):
+    seen = set(draw(params, n=2000).tolist())
+    assert seen == support
+
+
+def test_top_k_renormalises_over_the_kept_tokens():
+    counts = torch.bincount(draw(SamplingParams(top_k=2)), minlength=6).float() / 4000
+    torch.testing.assert_close(counts[:2], torch.tensor([2 / 3, 1 / 3]), atol=0.03, rtol=0)
+
+
+def test_seed_gives_the_same_tokens_whatever_shares_the_batch():
+    logits = torch.randn(3, 1000)
+    p = SamplingParams(temperature=1.0, seed=7)
+    s = Sampler(0)
+    crowd = s.sample(logits, ["y", "x2", "z"], [SamplingParams(temperature=1.0), p, SamplingParams(temperature=2.0)])
+    s2 = Sampler(0)
+    alone = s2.sample(logits[1:2], ["x"], [p])
+    assert crowd[1] == alone[0]
+    # and a seeded request continues its own stream step after step
+    seq = [s2.sample(logits[1:2], ["x"], [p])[0] for _ in range(20)]
+    s3 = Sampler(5)
+    s3.sample(logits[1:2], ["x"], [p])
+    assert [s3.sample(logits[1:2], ["x"], [p])[0] for _ in range(20)] == seq
+
+
+def test_invert_cdf_never_returns_zero_probability_tokens():
+    probs = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0]]).repeat(50, 1)
+    u = torch.cat([torch.zeros(50), torch.full((50,), 0.9999999)])
+    u = torch.stack([u[:50], u[50:]], 1).flatten()
+    out = _invert_cdf(probs, u)
+    assert set(out[0::2]) == {1} and set(out[1::2]) == {3}
