@@ -158,7 +158,7 @@ class EngineCore:
             elif self.scheduler.waiting and not self.scheduler.running:
                 results.append(self._fail_unservable(self.scheduler.waiting[0]))
             return results
-        self._order_decodes_by_slot(out)
+        self._order_by_slot(out)
         sampled = self.runner.execute(out, self._lora_batch(out))
         finished = {id(r) for r in self.scheduler.update(out, sampled)}
         for row, token in sampled.items():
@@ -171,15 +171,18 @@ class EngineCore:
                 self.runner.sampler.forget(req.request_id)
         return results
 
-    def _order_decodes_by_slot(self, out) -> None:
-        """Lay decode tokens out in compute-slot order so the LoRA path reads and writes them in place."""
+    def _order_by_slot(self, out) -> None:
+        """Lay tokens out in compute-slot order, decodes (one token each) still first, so that the LoRA
+        path finds each bucket's tokens as one run of rows and reads and writes them in place."""
         if self.slots is None:
             return
-        d = sum(1 for n in out.num_new_tokens if n == 1)   # decodes come first, one token each
 
-        def slot(req) -> int:
-            return self.slots.slot_of[req.adapter_id] if req.adapter_id else -1
-        out.requests[:d] = sorted(out.requests[:d], key=slot)
+        def key(i: int) -> tuple[bool, int]:
+            req = out.requests[i]
+            return out.num_new_tokens[i] != 1, self.slots.slot_of[req.adapter_id] if req.adapter_id else -1
+        order = sorted(range(len(out.requests)), key=key)
+        out.requests[:] = [out.requests[i] for i in order]
+        out.num_new_tokens[:] = [out.num_new_tokens[i] for i in order]
 
     def _lora_batch(self, out) -> LoraBatch | None:
         if self.slots is None:

