@@ -192,7 +192,8 @@ class EngineCore:
             slot = self.slots.slot_of[req.adapter_id] if req.adapter_id else -1
             token_slots.extend([slot] * n)
             token_adapters.append(req.adapter_id)
-        return LoraBatch.build(self.slots, token_slots, token_adapters)
+        num_decode = sum(1 for n in out.num_new_tokens if n == 1)   # decodes come first (_order_by_slot)
+        return LoraBatch.build(self.slots, token_slots, token_adapters, num_decode)
 
     def _fail_unservable(self, req: Request) -> TokenOutput:
         """Nothing runs or loads, yet the head request cannot start: the pool cannot hold it (e.g. with

@@ -1,12 +1,14 @@
 """Multi-LoRA on CPU: y[t] += scale(a_t) * B(a_t) @ (A(a_t) @ x[t]) for every token t, with no loop over
 adapters in Python.
 
-Tokens are grouped by slot once per step (`LoraBatch.build`). Slots are bucketed by their token count
-(1, <= 8, more) so that a bucket pads each slot's tokens to at most a few times their number. A bucket of
-slots holding one token each (decode) goes to the C kernel (kernels/cpu/lora_decode.c), which streams
-each adapter's own rank of A and B once; other buckets (prefill) run as batched matmuls over their slots:
-one shrink per fused group and one expand per module, the slots read in place when they form a dense
-range, gathered otherwise. Without a C compiler every bucket takes the matmul path.
+Tokens are grouped once per step (`LoraBatch.build`). Decode tokens (the first `num_decode`, one per
+request) go to the C kernel (kernels/cpu/lora_decode.c): one task per token that streams its adapter's
+own rank of A and B once, in fp32, so a decode token's delta never depends on who shares the step or
+its adapter. Prefill tokens are grouped by slot; slots are bucketed by their token count (1, <= 8, more)
+so that a bucket pads each slot's tokens to at most a few times their number, and each bucket runs as
+batched matmuls over its slots: one shrink per fused group and one expand per module, read in place
+when the bucket's tokens are one run of rows, gathered otherwise. Without a C compiler decode tokens
+take the matmul path too.
 """
 from __future__ import annotations
 
@@ -31,57 +33,61 @@ class Bucket:
     tokens: torch.Tensor          # [Sb, Tb] token rows per slot, padded with row 0
     valid: torch.Tensor           # [n_valid] positions in the padded [Sb * Tb] that are real tokens
     targets: torch.Tensor         # [n_valid] token rows the valid positions add into (distinct)
-    slot_ids: torch.Tensor        # [n_valid] the slot of each valid position
-    ranks: torch.Tensor           # [n_valid] the rank of the adapter in that slot
     rows: slice | None = None     # set when the padded [Sb * Tb] tokens are exactly these rows, in order
-    c_call: c_lora.LoraDecode | None = None   # set for one-token buckets when the C kernel runs them
 
 
 class LoraBatch:
     """Implements the model's LoraHook for one step."""
 
-    def __init__(self, slots: LoraSlots, buckets: list[Bucket], rank: int, modules: frozenset[str]):
+    def __init__(self, slots: LoraSlots, buckets: list[Bucket], decode: c_lora.LoraDecode | None, rank: int,
+                 modules: frozenset[str]):
         self.buf = slots.buf
-        self.buckets = buckets
+        self.weights = slots.c_weights
+        self.buckets = buckets       # prefill tokens (and decode tokens without the C kernel)
+        self.decode = decode         # decode tokens, through the C kernel
         self.rank = rank
-        dtype = next(iter(slots.buf.values())).dtype
-        if use_c_kernel(dtype):
-            self.weights = slots.c_weights
-            for bk in buckets:
-                if bk.tokens.shape[1] == 1:
-                    bk.c_call = c_lora.LoraDecode(bk.targets, bk.slot_ids, bk.ranks, dtype)
         # groups no active adapter targets are skipped entirely
         self.groups = {g for g, (_, _, mods) in GROUPS.items() if modules.intersection(mods)}
 
     @classmethod
-    def build(cls, slots: LoraSlots, token_slots: list[int], token_adapters: list[int]) -> "LoraBatch | None":
+    def build(cls, slots: LoraSlots, token_slots: list[int], token_adapters: list[int],
+              num_decode: int = 0) -> "LoraBatch | None":
         """token_slots[t]: slot of token t, -1 for base-model tokens; token_adapters: the adapter ids
-        present (0 for none)."""
-        per_slot: dict[int, list[int]] = {}
-        for t, s in enumerate(token_slots):
-            if s >= 0:
-                per_slot.setdefault(s, []).append(t)
-        if not per_slot:
-            return None
+        present (0 for none); the first num_decode tokens are decode tokens (one per request)."""
         active = {a for a in token_adapters if a > 0}
-        rank = max(slots.rank_of[a] for a in active)
-        modules = frozenset().union(*(slots.modules_of[a] for a in active))
+        if not active:
+            return None
+        slot_rank = {s: slots.rank_of[a] for a, s in slots.slot_of.items()}
+        decode = None
+        if use_c_kernel(next(iter(slots.buf.values())).dtype):
+            pairs = [(t, s) for t, s in enumerate(token_slots[:num_decode]) if s >= 0]
+            if pairs:
+                decode = c_lora.LoraDecode(torch.tensor([t for t, _ in pairs]), torch.tensor([s for _, s in pairs]),
+                                           torch.tensor([slot_rank[s] for _, s in pairs]), slots.dtype)
+            first = num_decode
+        else:
+            first = 0
+        per_slot: dict[int, list[int]] = {}
+        for t in range(first, len(token_slots)):
+            if token_slots[t] >= 0:
+                per_slot.setdefault(token_slots[t], []).append(t)
         groups: dict[int, list[int]] = {}
         for s, toks in sorted(per_slot.items()):
             cls_ = next((i for i, lim in enumerate(BUCKET_LIMITS) if len(toks) <= lim), len(BUCKET_LIMITS))
             groups.setdefault(cls_, []).append(s)
-        slot_rank = {s: slots.rank_of[a] for a, s in slots.slot_of.items()}
-        return cls(slots, [_bucket(g, per_slot, slot_rank) for g in groups.values()], rank, modules)
+        buckets = [_bucket(g, per_slot) for g in groups.values()]
+        rank = max(slots.rank_of[a] for a in active)
+        modules = frozenset().union(*(slots.modules_of[a] for a in active))
+        return cls(slots, buckets, decode, rank, modules)
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         if group not in self.groups:
             return
+        if self.decode is not None:
+            self.decode(x, y, self.weights(layer, group))
         a_name, b_names, _ = GROUPS[group]
         for bk in self.buckets:
-            if bk.c_call is not None:
-                bk.c_call(x, y, self.weights(layer, group))
-            else:
-                self._apply_matmul(layer, a_name, b_names, bk, x, y)
+            self._apply_matmul(layer, a_name, b_names, bk, x, y)
 
     def _apply_matmul(self, layer, a_name, b_names, bk: Bucket, x: torch.Tensor, y: torch.Tensor) -> None:
         r, g = self.rank, len(b_names)
@@ -111,16 +117,14 @@ class LoraBatch:
         y.index_copy_(0, bk.targets, torch.index_select(y, 0, bk.targets) + out)
 
 
-def _bucket(group: list[int], per_slot: dict[int, list[int]], slot_rank: dict[int, int]) -> Bucket:
+def _bucket(group: list[int], per_slot: dict[int, list[int]]) -> Bucket:
     """A dense enough run of slots is read in place as a range (idle slots in it get no tokens);
     a sparse one is gathered (a copy of those slots' weights)."""
     lo, hi = group[0], group[-1] + 1
     if hi - lo <= 2 * len(group):
         members = set(group)   # NOTE: slots of other buckets inside the range get no tokens here
-        slot_list = list(range(lo, hi))
-        slots, token_lists = slice(lo, hi), [per_slot[s] if s in members else [] for s in slot_list]
+        slots, token_lists = slice(lo, hi), [per_slot[s] if s in members else [] for s in range(lo, hi)]
     else:
-        slot_list = group
         slots, token_lists = torch.tensor(group), [per_slot[s] for s in group]
     width = max(len(t) for t in token_lists)
     tokens = torch.zeros(len(token_lists), width, dtype=torch.long)
@@ -128,11 +132,9 @@ def _bucket(group: list[int], per_slot: dict[int, list[int]], slot_rank: dict[in
     for i, toks in enumerate(token_lists):
         tokens[i, : len(toks)] = torch.tensor(toks, dtype=torch.long)
         valid[i, : len(toks)] = True
-    slot_ids = torch.tensor(slot_list, dtype=torch.long)[:, None].expand(-1, width)[valid]
     valid = valid.flatten()
-    ranks = torch.tensor([slot_rank[s] for s in slot_ids.tolist()], dtype=torch.long)
     flat = tokens.flatten()
     rows = None
     if bool(valid.all()) and torch.equal(flat, torch.arange(int(flat[0]), int(flat[0]) + len(flat))):
         rows = slice(int(flat[0]), int(flat[0]) + len(flat))
-    return Bucket(slots, tokens, valid.nonzero().flatten(), flat[valid], slot_ids, ranks, rows)
+    return Bucket(slots, tokens, valid.nonzero().flatten(), flat[valid], rows)

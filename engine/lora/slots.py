@@ -40,6 +40,7 @@ class LoraSlots:
                     "a_o": z(R, 1, m.q_size), "b_o": z(R, H), "a_gu": z(R, 2, H), "b_g": z(R, I), "b_u": z(R, I),
                     "a_d": z(R, 1, I), "b_d": z(R, H)}
         self.num_slots = S
+        self.dtype = m.dtype
         self.slot_of: dict[int, int] = {}
         self.rank_of: dict[int, int] = {}
         self.modules_of: dict[int, frozenset[str]] = {}   # projections the adapter has weights for

@@ -14,6 +14,7 @@ from engine.config import ModelConfig
 from engine.model.attention import AttentionMetadata, paged_attention, write_kv
 from engine.model.rope import Rope
 from engine.model.weights import LlamaWeights
+from kernels.cpu import elementwise
 
 
 class LoraHook(Protocol):
@@ -27,46 +28,77 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+class TorchOps:
+    """The elementwise steps of a layer in torch ops; `kernels.cpu.elementwise` fuses each into one pass
+    with the same rounding (CFusedOps)."""
+    rms_norm = staticmethod(rms_norm)
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def rope(rope: Rope, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, d]; cos, sin: [T, d] -> rotated (a copy)."""
+        return rope.apply(x, cos.unsqueeze(1), sin.unsqueeze(1))
+
+    write_kv = staticmethod(write_kv)
+
+
+class CFusedOps:
+    rms_norm = staticmethod(elementwise.rms_norm)
+    silu_mul = staticmethod(elementwise.silu_mul)
+
+    @staticmethod
+    def rope(rope: Rope, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return elementwise.rope_(x, cos, sin)     # in place: x is a view of this step's fused qkv
+
+    @staticmethod
+    def write_kv(k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
+        elementwise.write_kv(k_cache, v_cache, k, v, meta.slot_page, meta.slot_offset)
+
+
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: LlamaWeights):
         self.cfg = cfg
         self.w = weights
         self.rope = Rope(cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling, cfg.dtype)
         self.scale = cfg.head_dim ** -0.5
+        self.ops = CFusedOps if elementwise.supports(cfg.dtype) else TorchOps
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
                 lora: LoraHook | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; logits_indices: [S] rows to project -> logits [S, vocab] fp32."""
-        cfg = self.cfg
+        cfg, ops = self.cfg, self.ops
         x = F.embedding(input_ids, self.w.embed)                     # [T, H]
-        cos, sin = self.rope.tables(positions)
+        cos, sin = self.rope.cos[positions], self.rope.sin[positions]   # [T, head_dim]
         for i, layer in enumerate(self.w.layers):
-            h = rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+            h = ops.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
             qkv = layer.qkv(h)                              # [T, q + 2kv]
             if lora is not None:
                 lora.apply(i, "qkv", h, qkv)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = self.rope.apply(q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = self.rope.apply(k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            q = ops.rope(self.rope, q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = ops.rope(self.rope, k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_caches[i]
-            write_kv(k_cache, v_cache, k, v, meta)
+            ops.write_kv(k_cache, v_cache, k, v, meta)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale).flatten(1)  # [T, q]
             o = layer.o(attn)
             if lora is not None:
                 lora.apply(i, "o", attn, o)
             x = x + o
-            h = rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            h = ops.rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
             gate_up = layer.gate_up(h)                      # [T, 2I]
             if lora is not None:
                 lora.apply(i, "gate_up", h, gate_up)
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
+            act = ops.silu_mul(gate_up)                               # [T, I]
             down = layer.down(act)
             if lora is not None:
                 lora.apply(i, "down", act, down)
             x = x + down
-        x = rms_norm(x[logits_indices], self.w.norm, cfg.rms_norm_eps)
+        x = ops.rms_norm(x[logits_indices], self.w.norm, cfg.rms_norm_eps)
         return self.w.lm_head(x).float()

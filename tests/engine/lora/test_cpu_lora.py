@@ -72,7 +72,8 @@ def test_lora_batch_matches_per_token_reference(kind):
     ranks = [4, 16, 8, 1, 12, 16]
     slots = make_slots(ranks)
     token_slots = spread(kind, rng, len(ranks))
-    batch = LoraBatch.build(slots, token_slots, [s + 1 if s >= 0 else 0 for s in token_slots])
+    # the first half of the tokens are taken as decode tokens (the C kernel's), the rest as prefill
+    batch = LoraBatch.build(slots, token_slots, [s + 1 if s >= 0 else 0 for s in token_slots], len(token_slots) // 2)
     for group, n_in in (("qkv", 32), ("o", 32), ("gate_up", 32), ("down", 64)):
         x = torch.randn(len(token_slots), n_in)
         ref = reference(slots, 1, group, x, token_slots)
@@ -91,7 +92,8 @@ def test_random_batches_match_reference(seed):
         token_slots += [rng.randrange(-1, len(ranks))] * rng.choice([1, 1, 2, 5, 9, 17])
     if all(s < 0 for s in token_slots):
         token_slots[0] = 0
-    batch = LoraBatch.build(slots, token_slots, [s + 1 if s >= 0 else 0 for s in token_slots])
+    batch = LoraBatch.build(slots, token_slots, [s + 1 if s >= 0 else 0 for s in token_slots],
+                            rng.randint(0, len(token_slots)))
     x = torch.randn(len(token_slots), 32)
     ref = reference(slots, 0, "qkv", x, token_slots)
     y = torch.zeros_like(ref)

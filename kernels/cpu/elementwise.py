@@ -1,0 +1,88 @@
+"""ctypes binding of the fused elementwise ops (elementwise.c): rms_norm, silu_mul, rope_, write_kv.
+
+Each equals the torch expression named in its docstring, rounding included. Requires supports(dtype).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels.cpu.build import load_functions
+
+_P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+_SIGS = {"rms_norm": [_P, _I64, _P, _P, _I64, _I64, _I, _F], "silu_mul": [_P, _I64, _P, _I64, _I64, _I],
+         "rope": [_P, _I64, _I64, _I, _I, _P, _P]}
+_SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
+_FNS: dict | None | bool = False   # False until first use
+
+
+def _fns():
+    global _FNS
+    if _FNS is False:
+        _FNS = {}
+        for op, args in _SIGS.items():
+            fns = load_functions("elementwise", {dt: f"{op}_{sfx}" for dt, sfx in _SUFFIX.items()}, args)
+            if fns is None:
+                _FNS = None
+                break
+            for dt, fn in fns.items():
+                _FNS[(op, dt)] = fn
+        if _FNS is not None:
+            _FNS["write_kv"] = load_functions("elementwise", {0: "write_kv"}, [_P, _I64, _P, _I64, _P, _P, _I64, _P, _P,
+                                                                             _I64, _I64])[0]
+    return _FNS
+
+
+def supports(dtype: torch.dtype) -> bool:
+    fns = _fns()
+    return fns is not None and ("rope", dtype) in fns
+
+
+def _rows(x: torch.Tensor) -> None:
+    assert x.dim() == 2 and x.stride(1) == 1, "rows must be contiguous"
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, H] -> weight * F.rms_norm(x.float(), (H,), eps=eps).to(x.dtype)."""
+    _rows(x)
+    assert weight.is_contiguous() and weight.dtype == x.dtype and weight.shape == x.shape[1:]
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _fns()[("rms_norm", x.dtype)](x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
+                                  x.shape[0], x.shape[1], eps)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2I] -> F.silu(gate) * up, [T, I], where gate, up = gate_up.chunk(2, -1)."""
+    _rows(gate_up)
+    t, two_i = gate_up.shape
+    out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
+    _fns()[("silu_mul", gate_up.dtype)](gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), t,
+                                        two_i // 2)
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """In place, x: [T, heads, d] (each row's heads contiguous); cos, sin: [T, d] contiguous ->
+    x * cos + rotate_half(x) * sin, each product rounded to x.dtype as torch does."""
+    t, heads, d = x.shape
+    assert x.stride()[1:] == (d, 1) and cos.shape == sin.shape == (t, d) and cos.is_contiguous() and sin.is_contiguous()
+    assert x.dtype == cos.dtype == sin.dtype
+    _fns()[("rope", x.dtype)](x.data_ptr(), x.stride(0), t, heads, d, cos.data_ptr(), sin.data_ptr())
+    return x
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: torch.Tensor,
+             offsets: torch.Tensor) -> None:
+    """k_cache[pages, offsets] = k; v_cache[pages, offsets] = v. Caches: [num_pages, block_size, kv_heads, d]
+    sharing one page stride, each page's block contiguous; k, v: [T, kv_heads, d] with each token's row
+    contiguous; pages, offsets: [T] int64 (in range: not checked here)."""
+    t, kvh, d = k.shape
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride()[1:] == (kvh * d, d, 1)
+    assert k.shape == v.shape and k.stride()[1:] == (d, 1) and v.stride()[1:] == (d, 1)
+    assert k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and pages.dtype == offsets.dtype == torch.int64
+    assert pages.is_contiguous() and offsets.is_contiguous() and pages.shape == offsets.shape == (t,)
+    es = k.element_size()
+    _fns()["write_kv"](k.data_ptr(), k.stride(0) * es, v.data_ptr(), v.stride(0) * es, k_cache.data_ptr(),
+                       v_cache.data_ptr(), k_cache.stride(0) * es, pages.data_ptr(), offsets.data_ptr(), t, kvh * d * es)

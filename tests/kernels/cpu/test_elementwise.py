@@ -1,0 +1,72 @@
+"""The fused C elementwise ops against the torch expressions they replace (bit for bit in bf16)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.model.rope import Rope
+from kernels.cpu import elementwise as ew
+
+pytestmark = pytest.mark.skipif(not ew.supports(torch.float32), reason="no C compiler here")
+DTYPES = [(torch.float32, 1e-6), (torch.bfloat16, 0)]
+
+
+def rows(t, h, dtype, seed=0):
+    return (torch.randn(t, h, generator=torch.Generator().manual_seed(seed)) * 3).to(dtype)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_rms_norm(dtype, tol):
+    x = rows(37, 576, dtype)
+    w = rows(1, 576, dtype, seed=1)[0]
+    ref = w * F.rms_norm(x.float(), (576,), eps=1e-5).to(dtype)
+    out = ew.rms_norm(x, w, 1e-5)
+    # bf16: at most one rounding step apart where the fp32 sums differ in their last bit
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol if dtype == torch.float32 else 8e-3)
+    if dtype == torch.bfloat16:
+        assert (out == ref).float().mean() > 0.99
+    strided = torch.cat([x, x], 1)[:, :576]                       # rows at a stride
+    torch.testing.assert_close(ew.rms_norm(strided, w, 1e-5), out, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_silu_mul(dtype, tol):
+    gu = rows(19, 2 * 96, dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    ref = F.silu(gate) * up
+    out = ew.silu_mul(gu)
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol if dtype == torch.float32 else 8e-3)
+    if dtype == torch.bfloat16:
+        assert (out == ref).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_rope_in_place_on_a_fused_qkv_view(dtype, tol):
+    rope = Rope(64, 512, 10000.0, None, dtype)
+    positions = torch.tensor([0, 5, 100, 511, 7])
+    cos, sin = rope.tables(positions)
+    qkv = rows(5, 9 * 64 + 2 * 3 * 64, dtype)
+    q = qkv[:, : 9 * 64].view(5, 9, 64)
+    ref = rope.apply(q.clone(), cos, sin)
+    ew.rope_(q, cos.squeeze(1).contiguous(), sin.squeeze(1).contiguous())
+    torch.testing.assert_close(qkv[:, : 9 * 64].view(5, 9, 64), ref, atol=tol, rtol=tol)
+    untouched = rows(5, 9 * 64 + 2 * 3 * 64, dtype)[:, 9 * 64:]
+    torch.testing.assert_close(qkv[:, 9 * 64:], untouched, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_index_put(dtype):
+    from engine.model.attention import AttentionMetadata, write_kv
+    pages, bs, kvh, d = 6, 4, 3, 8
+    storage = torch.zeros(pages, 2 * 2 * bs * kvh * d, dtype=dtype)           # 2 layers, K and V
+    view = storage.view(pages, 2, 2, bs, kvh, d)
+    qkv = rows(5, (4 + 2 * kvh) * d, dtype)                                     # k, v as views of a fused row
+    k = qkv[:, 4 * d:(4 + kvh) * d].view(5, kvh, d)
+    v = qkv[:, (4 + kvh) * d:].view(5, kvh, d)
+    slot_page, slot_off = torch.tensor([5, 0, 2, 2, 3]), torch.tensor([3, 0, 1, 2, 0])
+    ew.write_kv(view[:, 1, 0], view[:, 1, 1], k, v, slot_page, slot_off)
+    ref = torch.zeros_like(storage).view(pages, 2, 2, bs, kvh, d)
+    meta = AttentionMetadata(slot_page, slot_off, 0, None, None, None, [])
+    write_kv(ref[:, 1, 0], ref[:, 1, 1], k, v, meta)
+    assert torch.equal(view, ref) and view.abs().sum() > 0
