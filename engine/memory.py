@@ -16,8 +16,12 @@ log = logging.getLogger("loraplex.memory")
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 
 
-def huge_zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros(*shape, dtype=dtype), backed by an anonymous mapping advised for huge pages."""
+def huge_zeros(*shape: int, dtype: torch.dtype, populate: bool = False) -> torch.Tensor:
+    """torch.zeros(*shape, dtype=dtype), backed by an anonymous mapping advised for huge pages.
+
+    populate=True faults every page in now (startup) rather than on first write inside a step: the first
+    prefill into fresh KV pages otherwise spends most of its KV writes in page faults (measured here:
+    67 ms of an 840 ms prefill step)."""
     numel = 1
     for s in shape:
         numel *= s
@@ -26,7 +30,13 @@ def huge_zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     if hasattr(mmap, "MADV_HUGEPAGE"):
         buf.madvise(mmap.MADV_HUGEPAGE)
     # NOTE: the tensor keeps `buf` alive through the buffer protocol; anonymous pages start zeroed.
-    return torch.frombuffer(buf, dtype=dtype, count=numel).view(*shape)
+    t = torch.frombuffer(buf, dtype=dtype, count=numel).view(*shape)
+    if populate:
+        try:
+            buf.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))   # Linux >= 5.14; Python 3.11 lacks the name
+        except (AttributeError, OSError, ValueError):
+            t.view(-1)[:: max(1, 4096 // dtype.itemsize)] = 0     # touch one element per 4 KiB page
+    return t
 
 
 def keep_freed_memory(limit: int = 1 << 30) -> None:

@@ -39,7 +39,7 @@ class ModelRunner:
         m = cfg.model
         self.block_size = cfg.cache.block_size
         self.model = LlamaModel(m, load_weights(m))
-        self.storage = huge_zeros(num_pages, page_elems(cfg), dtype=m.dtype)
+        self.storage = huge_zeros(num_pages, page_elems(cfg), dtype=m.dtype, populate=True)
         paged = self.storage.view(num_pages, m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim)
         self.kv_caches = [(paged[:, i, 0], paged[:, i, 1]) for i in range(m.num_layers)]
         self.sampler = Sampler(cfg.seed)

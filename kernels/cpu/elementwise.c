@@ -64,6 +64,8 @@ void rope_##SUFFIX(T *x, int64_t row_stride, int64_t rows, int heads, int d, con
 
 void write_kv(const char *k, int64_t k_stride, const char *v, int64_t v_stride, char *k_cache, char *v_cache,
               int64_t page_stride, const int64_t *pages, const int64_t *offs, int64_t rows, int64_t row_bytes) {
+    /* rows land on scattered pages: each copy waits on its own cache misses, so spread them */
+    _Pragma("omp parallel for schedule(static) if (rows > 64)")
     for (int64_t t = 0; t < rows; t++) {
         const int64_t at = pages[t] * page_stride + offs[t] * row_bytes;
         memcpy(k_cache + at, k + t * k_stride, row_bytes);

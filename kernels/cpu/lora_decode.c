@@ -40,6 +40,8 @@ int NAME(const T *x, int64_t x_stride, T *y, int64_t y_stride, const int64_t *to
         const T *xt = x + t * x_stride;                                                                       \
         for (int j = 0; j < in; j++) xf[j] = LOAD(xt[j]);                                                     \
         const T *as = a + s * a_slot_stride;                                                                  \
+        prefetch(as, 8 * in * sizeof(T));       /* the starts of A and of every B of this slot */            \
+        for (int g = 0; g < G; g++) prefetch(b[g] + s * b_slot_stride[g], 4 * out[g] * sizeof(T));           \
         int row = 0;                                                                                          \
         for (; row + 4 <= r * G; row += 4) {      /* four rows at a time: independent FMA chains */          \
             const T *a0 = as + (int64_t)row * in, *a1 = a0 + in, *a2 = a1 + in, *a3 = a2 + in;               \

@@ -56,15 +56,17 @@ def test_rope_in_place_on_a_fused_qkv_view(dtype, tol):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_write_kv_matches_index_put(dtype):
+@pytest.mark.parametrize("n", [5, 150])     # 150 rows: the parallel copy
+def test_write_kv_matches_index_put(dtype, n):
     from engine.model.attention import AttentionMetadata, write_kv
-    pages, bs, kvh, d = 6, 4, 3, 8
+    pages, bs, kvh, d = 40, 4, 3, 8
     storage = torch.zeros(pages, 2 * 2 * bs * kvh * d, dtype=dtype)           # 2 layers, K and V
     view = storage.view(pages, 2, 2, bs, kvh, d)
-    qkv = rows(5, (4 + 2 * kvh) * d, dtype)                                     # k, v as views of a fused row
-    k = qkv[:, 4 * d:(4 + kvh) * d].view(5, kvh, d)
-    v = qkv[:, (4 + kvh) * d:].view(5, kvh, d)
-    slot_page, slot_off = torch.tensor([5, 0, 2, 2, 3]), torch.tensor([3, 0, 1, 2, 0])
+    qkv = rows(n, (4 + 2 * kvh) * d, dtype)                                     # k, v as views of a fused row
+    k = qkv[:, 4 * d:(4 + kvh) * d].view(n, kvh, d)
+    v = qkv[:, (4 + kvh) * d:].view(n, kvh, d)
+    slots = torch.randperm(pages * bs, generator=torch.Generator().manual_seed(n))[:n]
+    slot_page, slot_off = slots // bs, slots % bs
     ew.write_kv(view[:, 1, 0], view[:, 1, 1], k, v, slot_page, slot_off)
     ref = torch.zeros_like(storage).view(pages, 2, 2, bs, kvh, d)
     meta = AttentionMetadata(slot_page, slot_off, 0, None, None, None, [])
