@@ -23,3 +23,14 @@ def server(served_adapters):
     s = Server("--adapter-dir", str(d), "--frontends", "2", "--api-key", API_KEY, "--max-loras", "4")
     yield s
     assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def server_fp32(served_adapters):
+    """For exact-output checks across batches: bf16 greedy text may change with what shares the batch
+    (GEMM blocking), float32 text does not."""
+    d, _ = served_adapters
+    s = Server("--adapter-dir", str(d), "--frontends", "2", "--api-key", API_KEY, "--max-loras", "4",
+               "--dtype", "float32")
+    yield s
+    assert s.stop() == 0

@@ -50,7 +50,8 @@ def test_model_is_an_adapter_name(client):
     assert streamed == tuned
 
 
-def test_two_frontends_stream_at_once_with_different_adapters(server):
+def test_two_frontends_stream_at_once_with_different_adapters(server_fp32):
+    server = server_fp32
     async def one(session, model):
         body = {"model": model, "prompt": "Tell me a story about", "max_tokens": 24, "temperature": 0,
                 "stream": True, "ignore_eos": True}
