@@ -25,11 +25,45 @@ static inline float dot_bf16(const uint16_t *a, const uint16_t *b, int d) {
     return _mm512_reduce_add_ps(acc);
 }
 #define FAST_DOT_BF16 1
+
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* head_dim 64, at most 4 query heads per KV head: acc[g, :] += sum_t p[g, t] * v[t, :] over n tokens of
+ * one block, the G x 64 accumulators kept in registers. p: G rows at p_stride; v rows at v_stride. */
+static inline void pv_bf16_d64(float *acc, const float *p, int64_t p_stride, const uint16_t *v, int64_t v_stride,
+                               int n, int G) {
+    __m512 a[4][4];
+    for (int g = 0; g < 4; g++)
+        for (int c = 0; c < 4; c++) a[g][c] = g < G ? _mm512_loadu_ps(acc + g * 64 + c * 16) : _mm512_setzero_ps();
+    for (int t = 0; t < n; t++) {
+        const uint16_t *vr = v + t * v_stride;
+        const __m512 v0 = load_bf16x16(vr), v1 = load_bf16x16(vr + 16), v2 = load_bf16x16(vr + 32),
+                     v3 = load_bf16x16(vr + 48);
+        for (int g = 0; g < 4; g++) {
+            if (g >= G) break;
+            const __m512 pg = _mm512_set1_ps(p[g * p_stride + t]);
+            a[g][0] = _mm512_fmadd_ps(pg, v0, a[g][0]);
+            a[g][1] = _mm512_fmadd_ps(pg, v1, a[g][1]);
+            a[g][2] = _mm512_fmadd_ps(pg, v2, a[g][2]);
+            a[g][3] = _mm512_fmadd_ps(pg, v3, a[g][3]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * 64 + c * 16, a[g][c]);
+}
 #else
 static inline float dot_bf16(const uint16_t *a, const uint16_t *b, int d) { (void)a; (void)b; (void)d; return 0.f; }
+static inline void pv_bf16_d64(float *acc, const float *p, int64_t ps, const uint16_t *v, int64_t vs, int n, int G) {
+    (void)acc; (void)p; (void)ps; (void)v; (void)vs; (void)n; (void)G;
+}
 #define FAST_DOT_BF16 0
 #endif
 static inline float dot_f32_unused(const float *a, const float *b, int d) { (void)a; (void)b; (void)d; return 0.f; }
+static inline void pv_f32_unused(float *acc, const float *p, int64_t ps, const float *v, int64_t vs, int n, int G) {
+    (void)acc; (void)p; (void)ps; (void)v; (void)vs; (void)n; (void)G;
+}
 
 static inline void prefetch_block(const char *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 1);
@@ -39,7 +73,7 @@ static inline void prefetch_block(const char *p, int64_t bytes) {
 #define MAX_DIM 256
 #define MAX_ROW (MAX_HEADS * MAX_DIM)
 
-#define DEFINE_DECODE(NAME, T, LOAD, STORE, FAST, FAST_DOT)                                                                  \
+#define DEFINE_DECODE(NAME, T, LOAD, STORE, FAST, FAST_DOT, FAST_PV)                                                                  \
 int NAME(const T *q, T *out, const T *k, const T *v, int64_t page_stride, const int64_t *tables,               \
          int64_t max_blocks, const int64_t *lens, int D, int H, int KVH, int d, int bs, float scale) {         \
     const int G = H / KVH, row = KVH * d;                                                                    \
@@ -91,6 +125,11 @@ int NAME(const T *q, T *out, const T *k, const T *v, int64_t page_stride, const 
             const T *vb = v + table[b] * page_stride;                                                         \
             if (b + 1 < nblocks) prefetch_block((const char *)(v + table[b + 1] * page_stride), block_bytes); \
             const int64_t n = (b == nblocks - 1) ? len - b * bs : bs;                                        \
+            if (FAST && d == 64 && G <= 4) {                                                                  \
+                for (int h = 0; h < KVH; h++)                                                                 \
+                    FAST_PV(acc + h * G * d, score + (int64_t)h * G * len + b * bs, len, vb + h * d, row, (int)n, G); \
+                continue;                                                                                     \
+            }                                                                                                 \
             for (int64_t t = 0; t < n; t++) {                                                                 \
                 float vf[MAX_ROW];                                                                            \
                 for (int i = 0; i < row; i++) vf[i] = LOAD(vb[t * row + i]);                                  \
@@ -110,5 +149,5 @@ int NAME(const T *q, T *out, const T *k, const T *v, int64_t page_stride, const 
     return failed ? -2 : 0;                                                                                   \
 }
 
-DEFINE_DECODE(paged_decode_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16, FAST_DOT_BF16, dot_bf16)
-DEFINE_DECODE(paged_decode_attention_f32, float, f32_id, f32_id, 0, dot_f32_unused)
+DEFINE_DECODE(paged_decode_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16, FAST_DOT_BF16, dot_bf16, pv_bf16_d64)
+DEFINE_DECODE(paged_decode_attention_f32, float, f32_id, f32_id, 0, dot_f32_unused, pv_f32_unused)
