@@ -51,7 +51,7 @@ class ModelRunner:
         bs = self.block_size
         ids, pos, pages, offs = [], [], [], []
         sample_rows, logits_idx = [], []
-        decode_tables, decode_lens, prefills = [], [], []
+        decode_tables, decode_counts, decode_lens, prefills = [], [], [], []
         for row, (req, n) in enumerate(zip(out.requests, out.num_new_tokens)):
             start = req.num_computed_tokens
             end = start + n
@@ -62,9 +62,11 @@ class ModelRunner:
             pages.extend(req.block_ids[p // bs] for p in range(start, end))
             offs.extend(p % bs for p in range(start, end))
             table = req.block_ids[: -(-end // bs)]
-            if n == 1:
+            if n == 1 or self.c_decode_attention:
+                # the C kernel takes every token as one query row over its own prefix
                 decode_tables.append(table)
-                decode_lens.append(end)
+                decode_counts.append(n)
+                decode_lens.extend(range(start + 1, end + 1))
             else:
                 prefills.append(PrefillSeq(q_start, q_start + n, end, torch.tensor(table), _chunk_mask(start, n)))
             if end == req.num_tokens:
@@ -72,11 +74,13 @@ class ModelRunner:
                 logits_idx.append(len(ids) - 1)
         meta = AttentionMetadata(
             slot_page=torch.tensor(pages, dtype=torch.long), slot_offset=torch.tensor(offs, dtype=torch.long),
-            num_decode=len(decode_tables), decode_block_tables=None, decode_lens=None, decode_mask=None,
+            num_decode=len(decode_lens), decode_block_tables=None, decode_lens=None, decode_mask=None,
             prefills=prefills)
         if decode_tables:
             width = max(len(t) for t in decode_tables)
-            meta.decode_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])
+            counts = torch.tensor(decode_counts)
+            meta.decode_block_tables = tables if bool((counts == 1).all()) else tables.repeat_interleave(counts, 0)
             meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long)
             if not self.c_decode_attention:
                 visible = torch.arange(width * bs)[None, :] < meta.decode_lens[:, None]

@@ -26,13 +26,14 @@ class PrefillSeq:
 
 @dataclass
 class AttentionMetadata:
-    """Per step; shared by every layer. The first `num_decode` tokens belong to `num_decode` requests
-    computing one token each; the rest to `prefills`."""
+    """Per step; shared by every layer. The first `num_decode` tokens are single query rows, each over
+    its own prefix (decode tokens; with the C kernel, every token of the step); the rest belong to
+    `prefills` (the torch path)."""
     slot_page: torch.Tensor         # [T] page of each new token's K/V
     slot_offset: torch.Tensor       # [T] offset inside that page
     num_decode: int
-    decode_block_tables: torch.Tensor | None  # [D, max_blocks] (padded with page 0)
-    decode_lens: torch.Tensor | None          # [D] int64 context length of each decode request
+    decode_block_tables: torch.Tensor | None  # [D, max_blocks] block table of each row (padded with page 0)
+    decode_lens: torch.Tensor | None          # [D] int64 how many tokens each row attends to
     decode_mask: torch.Tensor | None          # [D, 1, 1, max_blocks * block_size] additive, model dtype;
                                               # only for the torch path (None when the C kernel runs)
     prefills: list[PrefillSeq]
