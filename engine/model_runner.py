@@ -43,7 +43,8 @@ class ModelRunner:
         paged = self.storage.view(num_pages, m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim)
         self.kv_caches = [(paged[:, i, 0], paged[:, i, 1]) for i in range(m.num_layers)]
         self.sampler = Sampler(cfg.seed)
-        self.c_decode_attention = cpu_attention.supports(m.dtype)   # else decode uses SDPA over a gather
+        # else prefill and decode use SDPA over gathered blocks
+        self.c_decode_attention = cpu_attention.supports(m.dtype) and cpu_attention.fits(m.num_heads, m.head_dim)
         # When a dict, execute() stores each sampling request's fp32 logits [vocab] in it (for tests).
         self.capture_logits: dict[str, torch.Tensor] | None = None
 

@@ -22,9 +22,9 @@ from kernels.cpu import lora as c_lora
 BUCKET_LIMITS = (1, 8)
 
 
-def use_c_kernel(dtype: torch.dtype) -> bool:
-    """Whether one-token buckets take the C kernel (tests switch it off to check the matmul path)."""
-    return c_lora.supports(dtype)
+def use_c_kernel(slots: LoraSlots) -> bool:
+    """Whether decode tokens take the C kernel (tests switch it off to check the matmul path)."""
+    return c_lora.supports(slots.dtype) and c_lora.fits(slots.max_rank, slots.max_in)
 
 
 @dataclass
@@ -59,7 +59,7 @@ class LoraBatch:
             return None
         slot_rank = {s: slots.rank_of[a] for a, s in slots.slot_of.items()}
         decode = None
-        if use_c_kernel(next(iter(slots.buf.values())).dtype):
+        if use_c_kernel(slots):
             pairs = [(t, s) for t, s in enumerate(token_slots[:num_decode]) if s >= 0]
             if pairs:
                 decode = c_lora.LoraDecode(torch.tensor([t for t, _ in pairs]), torch.tensor([s for _, s in pairs]),

@@ -41,6 +41,8 @@ class LoraSlots:
                     "a_d": z(R, 1, I), "b_d": z(R, H)}
         self.num_slots = S
         self.dtype = m.dtype
+        self.max_rank = R
+        self.max_in = max(H, m.q_size, I)      # the widest input a LoRA A reads
         self.slot_of: dict[int, int] = {}
         self.rank_of: dict[int, int] = {}
         self.modules_of: dict[int, frozenset[str]] = {}   # projections the adapter has weights for

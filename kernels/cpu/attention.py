@@ -24,6 +24,14 @@ def _fns():
     return _FNS
 
 
+MAX_HEADS, MAX_HEAD_DIM = 128, 256   # as compiled into paged_decode_attention.c
+
+
+def fits(num_heads: int, head_dim: int) -> bool:
+    """Whether a model's attention shape is within what the kernel was compiled for."""
+    return num_heads <= MAX_HEADS and head_dim <= MAX_HEAD_DIM
+
+
 def supports(dtype: torch.dtype) -> bool:
     fns = _fns()
     return fns is not None and dtype in fns

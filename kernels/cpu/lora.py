@@ -25,6 +25,13 @@ def _fns():
     return _FNS
 
 
+MAX_RANK, MAX_IN = 256, 65536   # as compiled into lora_decode.c (at most 3 fused outputs)
+
+
+def fits(max_rank: int, max_in: int) -> bool:
+    return max_rank <= MAX_RANK and max_in <= MAX_IN
+
+
 def supports(dtype: torch.dtype) -> bool:
     fns = _fns()
     return fns is not None and dtype in fns

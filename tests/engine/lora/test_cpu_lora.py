@@ -15,10 +15,10 @@ from tests.engine.lora.synthetic import TINY
 def path(request, monkeypatch):
     """Every test runs on both paths for one-token buckets: the C kernel and batched matmuls."""
     if request.param == "c-kernel":
-        if not cpu_lora.use_c_kernel(torch.float32):
+        if not cpu_lora.c_lora.supports(torch.float32):
             pytest.skip("no C compiler here")
     else:
-        monkeypatch.setattr(cpu_lora, "use_c_kernel", lambda dtype: False)
+        monkeypatch.setattr(cpu_lora, "use_c_kernel", lambda slots: False)
     return request.param
 
 

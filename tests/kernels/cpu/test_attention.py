@@ -94,3 +94,8 @@ def test_sdpa_reference_sanity():
     v = vc[tables[0]].reshape(-1, 2, 32)[:24].transpose(0, 1).repeat_interleave(2, 0)
     sdpa = F.scaled_dot_product_attention(q[0][:, None], k, v, scale=0.2)[:, 0]
     torch.testing.assert_close(reference(q, kc, vc, tables, lens, 0.2)[0], sdpa, atol=1e-5, rtol=1e-5)
+
+
+def test_shapes_beyond_the_compiled_limits_fall_back():
+    assert cpu_attention.fits(9, 64) and cpu_attention.fits(128, 256)
+    assert not cpu_attention.fits(129, 64) and not cpu_attention.fits(8, 512)

@@ -64,3 +64,13 @@ def test_rank_above_max_is_refused():
     call = c_lora.LoraDecode(torch.tensor([0]), torch.tensor([0]), torch.tensor([5]), torch.float32)
     with pytest.raises(RuntimeError, match="code -3"):
         call(torch.randn(1, 8), torch.zeros(1, 8), c_lora.Weights(a, bs))
+
+
+def test_ranks_beyond_the_compiled_limit_fall_back():
+    from engine.config import LoraConfig
+    from engine.lora import cpu_lora
+    from engine.lora.slots import LoraSlots
+    from tests.engine.lora.synthetic import TINY
+    assert c_lora.fits(256, 8192) and not c_lora.fits(257, 8192)
+    assert not cpu_lora.use_c_kernel(LoraSlots(LoraConfig(max_loras=1, max_lora_rank=512), TINY))
+    assert cpu_lora.use_c_kernel(LoraSlots(LoraConfig(max_loras=1, max_lora_rank=16), TINY))
