@@ -80,6 +80,12 @@ class LoraBatch:
         modules = frozenset().union(*(slots.modules_of[a] for a in active))
         return cls(slots, buckets, decode, rank, modules)
 
+    def prefetch(self, layer: int, group: str) -> tuple | None:
+        """The decode tokens' weights of this group, for the base GEMM to prefetch before `apply`."""
+        if self.decode is None or group not in self.groups:
+            return None
+        return self.decode.prefetch(self.weights(layer, group))
+
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         if group not in self.groups:
             return

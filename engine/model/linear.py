@@ -1,13 +1,16 @@
-"""y = x @ W^T for the base model's projections, with the weight pre-packed for oneDNN when that helps.
+"""y = x @ W^T for the base model's projections, with the weight packed once for the fastest kernel here.
 
-On CPUs with native bf16 (AVX512-BF16 / AMX), oneDNN's pre-packed ("reordered") bf16 weights skip the
-per-call re-layout of W that `F.linear` pays: measured here 1.2-1.8x on the M=64 decode GEMMs and equal
-results bit for bit. Other dtypes and CPUs use `F.linear` on the plain tensor.
+bf16 on a CPU with AVX512-BF16: the C GEMM of kernels/cpu/gemm.c (packed weights; it can also prefetch
+the step's LoRA weights while it computes). Otherwise, where oneDNN has native bf16, its pre-packed
+("reordered") weights, which skip the per-call re-layout of W that `F.linear` pays (1.2-1.8x on the M=64
+decode GEMMs). Other dtypes and CPUs use `F.linear` on the plain tensor.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels.cpu import gemm as c_gemm
 
 _DECODE_M_HINT = 64   # oneDNN picks its blocking for this batch size; any M works
 
@@ -18,15 +21,24 @@ def _can_pack(dtype: torch.dtype) -> bool:
 
 
 class Linear:
-    """weight: [out, in]. Call with x: [T, in] -> [T, out] in the weight's dtype."""
+    """weight: [out, in]. Call with x: [T, in] -> [T, out] in the weight's dtype.
 
-    def __init__(self, weight: torch.Tensor, pack: bool | None = None):
+    kernel: "c" (gemm.c), "onednn", "torch", or None for the best one available."""
+
+    def __init__(self, weight: torch.Tensor, kernel: str | None = None):
         self.weight = weight
         self.out_features, self.in_features = weight.shape
-        pack = _can_pack(weight.dtype) if pack is None else pack
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _DECODE_M_HINT) if pack else None
+        if kernel is None:
+            kernel = ("c" if c_gemm.supports(weight.dtype, self.in_features)
+                      else "onednn" if _can_pack(weight.dtype) else "torch")
+        self.kernel = kernel
+        self.c = c_gemm.Gemm(weight) if kernel == "c" else None
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _DECODE_M_HINT) if kernel == "onednn" else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is None:
-            return F.linear(x, self.weight)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
+    def __call__(self, x: torch.Tensor, prefetch: tuple | None = None) -> torch.Tensor:
+        """prefetch: the LoRA weights about to be read (see kernels/cpu/gemm.py); only the C GEMM uses it."""
+        if self.c is not None:
+            return self.c(x, prefetch)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
+        return F.linear(x, self.weight)

@@ -10,6 +10,7 @@ import ctypes
 
 import torch
 
+from kernels.cpu import gemm as c_gemm
 from kernels.cpu.build import load_functions
 
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -51,6 +52,7 @@ class Weights:
         self.b_ptrs = (ctypes.c_void_p * G)(*[b.data_ptr() for b in bs])
         self.b_strides = (ctypes.c_int64 * G)(*[b.stride(0) for b in bs])
         self.outs = (ctypes.c_int64 * G)(*[b.shape[2] for b in bs])
+        self.plan = c_gemm.plan_for(a, bs)           # where the GEMM before this LoRA prefetches from
 
 
 class LoraDecode:
@@ -63,6 +65,10 @@ class LoraDecode:
         self.n = len(self.tokens)
         self.fn = _fns()[dtype]
         self.dtype = dtype
+
+    def prefetch(self, w: Weights) -> tuple:
+        """What the GEMM before `self(x, y, w)` should prefetch (kernels/cpu/gemm.py)."""
+        return w.plan, self.n, self.slots, self.ranks
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, w: Weights) -> None:
         """x: [T, in]; y: [T, sum(out_g)]; rows of both contiguous."""
