@@ -17,14 +17,45 @@
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
-/* bf16 dot product of length d (a multiple of 32) with vdpbf16ps: no conversion, fp32 accumulation */
-static inline float dot_bf16(const uint16_t *a, const uint16_t *b, int d) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int i = 0; i < d; i += 32)
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(a + i), (__m512bh)_mm512_loadu_si512(b + i));
-    return _mm512_reduce_add_ps(acc);
-}
 #define FAST_DOT_BF16 1
+
+/* lane t of the result = the sum of the 16 lanes of a[t], by a transpose-add tree (45 shuffles and adds
+ * for 16 sums, instead of 16 separate horizontal reductions) */
+static inline __m512 sum16(const __m512 *a) {
+    __m512 x[8], z[4], r[2];
+    for (int i = 0; i < 8; i++)      /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
+        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++)      /* per 128-bit lane: element e = that lane's part of vector 4i + e */
+        z[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)
+        r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* scores of query q (d bf16, d a multiple of 32) against n <= 16 keys at rows k + t * row_stride:
+ * out[t] = scale * q . k_t; *mx = max(*mx, out[0..n)) */
+static inline void scores16_bf16(const uint16_t *q, const uint16_t *k, int64_t row_stride, int n, int d,
+                                 float scale, float *out, float *mx) {
+    __m512 acc[16];
+    const uint16_t *kt[16];
+    for (int t = 0; t < 16; t++) {
+        acc[t] = _mm512_setzero_ps();
+        kt[t] = k + (t < n ? t : 0) * row_stride;     /* rows past n repeat row 0; masked out below */
+    }
+    for (int i = 0; i < d; i += 32) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(q + i);
+        for (int t = 0; t < 16; t++)
+            acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)_mm512_loadu_si512(kt[t] + i), qv);
+    }
+    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    const __m512 sc = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(out, m, sc);
+    const float best = _mm512_mask_reduce_max_ps(m, sc);
+    if (best > *mx) *mx = best;
+}
 
 static inline __m512 load_bf16x16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -54,13 +85,19 @@ static inline void pv_bf16_d64(float *acc, const float *p, int64_t p_stride, con
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * 64 + c * 16, a[g][c]);
 }
 #else
-static inline float dot_bf16(const uint16_t *a, const uint16_t *b, int d) { (void)a; (void)b; (void)d; return 0.f; }
+static inline void scores16_bf16(const uint16_t *q, const uint16_t *k, int64_t rs, int n, int d, float scale,
+                                 float *out, float *mx) {
+    (void)q; (void)k; (void)rs; (void)n; (void)d; (void)scale; (void)out; (void)mx;
+}
 static inline void pv_bf16_d64(float *acc, const float *p, int64_t ps, const uint16_t *v, int64_t vs, int n, int G) {
     (void)acc; (void)p; (void)ps; (void)v; (void)vs; (void)n; (void)G;
 }
 #define FAST_DOT_BF16 0
 #endif
-static inline float dot_f32_unused(const float *a, const float *b, int d) { (void)a; (void)b; (void)d; return 0.f; }
+static inline void scores_f32_unused(const float *q, const float *k, int64_t rs, int n, int d, float scale,
+                                     float *out, float *mx) {
+    (void)q; (void)k; (void)rs; (void)n; (void)d; (void)scale; (void)out; (void)mx;
+}
 static inline void pv_f32_unused(float *acc, const float *p, int64_t ps, const float *v, int64_t vs, int n, int G) {
     (void)acc; (void)p; (void)ps; (void)v; (void)vs; (void)n; (void)G;
 }
@@ -73,7 +110,7 @@ static inline void prefetch_block(const char *p, int64_t bytes) {
 #define MAX_DIM 256
 #define MAX_ROW (MAX_HEADS * MAX_DIM)
 
-#define DEFINE_DECODE(NAME, T, LOAD, STORE, FAST, FAST_DOT, FAST_PV)                                                                  \
+#define DEFINE_DECODE(NAME, T, LOAD, STORE, FAST, FAST_SCORES, FAST_PV)                                                                  \
 int NAME(const T *q, T *out, const T *k, const T *v, int64_t page_stride, const int64_t *tables,               \
          int64_t max_blocks, const int64_t *lens, int D, int H, int KVH, int d, int bs, float scale) {         \
     const int G = H / KVH, row = KVH * d;                                                                    \
@@ -94,13 +131,11 @@ int NAME(const T *q, T *out, const T *k, const T *v, int64_t page_stride, const 
             if (b + 1 < nblocks) prefetch_block((const char *)(k + table[b + 1] * page_stride), block_bytes); \
             else prefetch_block((const char *)(v + table[0] * page_stride), block_bytes);                     \
             const int64_t n = (b == nblocks - 1) ? len - b * bs : bs;                                        \
-            if (FAST && d % 32 == 0) {                                                                        \
-                for (int64_t t = 0; t < n; t++)                                                               \
-                    for (int j = 0; j < H; j++) {                                                             \
-                        const float dot = FAST_DOT(q + ((int64_t)s * H + j) * d, kb + t * row + (j / G) * d, d) * scale; \
-                        score[j * len + b * bs + t] = dot;                                                    \
-                        if (dot > mx[j]) mx[j] = dot;                                                         \
-                    }                                                                                         \
+            if (FAST && d % 32 == 0) {   /* 16 keys at a time per query head */                              \
+                for (int64_t t0 = 0; t0 < n; t0 += 16)                                                        \
+                    for (int j = 0; j < H; j++)                                                               \
+                        FAST_SCORES(q + ((int64_t)s * H + j) * d, kb + t0 * row + (j / G) * d, row,           \
+                                    (int)(n - t0 < 16 ? n - t0 : 16), d, scale, score + j * len + b * bs + t0, mx + j); \
                 continue;                                                                                     \
             }                                                                                                 \
             for (int64_t t = 0; t < n; t++) {                                                                 \
@@ -149,5 +184,5 @@ int NAME(const T *q, T *out, const T *k, const T *v, int64_t page_stride, const 
     return failed ? -2 : 0;                                                                                   \
 }
 
-DEFINE_DECODE(paged_decode_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16, FAST_DOT_BF16, dot_bf16, pv_bf16_d64)
-DEFINE_DECODE(paged_decode_attention_f32, float, f32_id, f32_id, 0, dot_f32_unused, pv_f32_unused)
+DEFINE_DECODE(paged_decode_attention_bf16, uint16_t, bf16_to_f32, f32_to_bf16, FAST_DOT_BF16, scores16_bf16, pv_bf16_d64)
+DEFINE_DECODE(paged_decode_attention_f32, float, f32_id, f32_id, 0, scores_f32_unused, pv_f32_unused)
