@@ -3,6 +3,13 @@
 `AsyncEngineClient` (asyncio) and `EngineClient` (blocking, runs its own loop on a thread) submit
 requests, stream outputs, abort, and list / load / unload adapters, with the same msgspec messages the
 engine speaks (ipc/). Every output of a request comes back only to the client that sent it.
+
+Engine restarts lose nothing: the client remembers every request in flight and the tokens it has
+received; when a new engine incarnation greets it, each request is sent again as its prompt plus those
+tokens, asking only for the tokens still due, and its outputs carry on as one stream (usage counted
+against the original prompt). A request is resent once: if the engine dies again while it runs (a
+request that crashes the engine must not crash it forever), it fails with 503. Greedy requests continue
+as they would have; sampled ones continue from a fresh random state.
 """
 from __future__ import annotations
 
@@ -12,8 +19,10 @@ import queue
 import threading
 import time
 import uuid
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -22,6 +31,16 @@ from ipc.outputs import AdapterReply, EngineStatus, RequestOutput, decode_output
 from ipc.requests import AbortRequest, AdapterCommand, GenerateRequest, Hello, encode_request
 
 HEARTBEAT_TIMEOUT = 5.0
+RESTART_WAIT = 180.0     # how long a request waits for a dead engine to come back before it fails
+MAX_RESUBMITS = 1
+
+
+@dataclass
+class _InFlight:
+    request: GenerateRequest
+    received: list[int] = field(default_factory=list)   # token ids this client has been sent
+    carried: int = 0                                    # of those, how many the current engine got as prompt
+    resubmits: int = 0
 
 
 class EngineError(RuntimeError):
@@ -37,6 +56,7 @@ class AsyncEngineClient:
         self.status: EngineStatus | None = None
         self.last_heartbeat = 0.0
         self._queues: dict[str, asyncio.Queue] = {}
+        self._inflight: dict[str, _InFlight] = {}
         self._replies: dict[str, asyncio.Future] = {}
         self._ids = itertools.count()
         self._reader: asyncio.Task | None = None
@@ -84,24 +104,54 @@ class AsyncEngineClient:
                 if isinstance(msg, RequestOutput):
                     q = self._queues.get(msg.request_id)
                     if q is not None:
-                        q.put_nowait(msg)
+                        q.put_nowait(self._carry_on(msg))
                 elif isinstance(msg, AdapterReply):
                     fut = self._replies.pop(msg.command_id, None)
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
                 elif isinstance(msg, EngineStatus):
-                    if self.status is not None and msg.incarnation != self.status.incarnation:
-                        self._engine_restarted()
+                    restarted = self.status is not None and msg.incarnation != self.status.incarnation
                     self.status = msg
                     self.last_heartbeat = time.monotonic()
+                    if restarted:
+                        await self._engine_restarted()
 
-    def _engine_restarted(self) -> None:
-        """The engine process was replaced: requests it held are gone; fail them (503) rather than wait."""
-        for rid, q in list(self._queues.items()):
-            q.put_nowait(RequestOutput(rid, finish_reason="abort", error="the engine restarted", status=503))
+    def _carry_on(self, out: RequestOutput) -> RequestOutput:
+        """Record what a request received; after a resubmission, count usage from the original prompt."""
+        f = self._inflight.get(out.request_id)
+        if f is None:
+            return out
+        f.received.extend(out.token_ids)
+        if f.carried and out.error is None:
+            out = msgspec.structs.replace(
+                out, prompt_tokens=len(f.request.prompt_token_ids) if out.prompt_tokens else 0,
+                completion_tokens=out.completion_tokens + f.carried if out.completion_tokens else 0)
+        return out
+
+    async def _engine_restarted(self) -> None:
+        """The engine process was replaced and the requests it held are gone: resend each (once) as its
+        prompt plus the tokens already received; fail those resent before, and pending adapter commands."""
         for fut in self._replies.values():
             if not fut.done():
                 fut.set_result(AdapterReply("", False, "the engine restarted"))
+        for rid, f in list(self._inflight.items()):
+            q = self._queues.get(rid)
+            if q is None:
+                continue
+            req, params = f.request, f.request.params
+            left = None if params.max_tokens is None else params.max_tokens - len(f.received)
+            if f.resubmits >= MAX_RESUBMITS:
+                q.put_nowait(RequestOutput(rid, finish_reason="abort", error="the engine restarted twice while "
+                                           "this request ran", status=503))
+            elif left is not None and left < 1:
+                q.put_nowait(RequestOutput(rid, finish_reason="length"))
+            else:
+                f.resubmits += 1
+                f.carried = len(f.received)
+                again = GenerateRequest(rid, req.prompt_token_ids + f.received,
+                                        msgspec.structs.replace(params, max_tokens=left), req.adapter,
+                                        req.cache_salt, req.stream)
+                await self.sock.send(encode_request(again))
 
     def new_request_id(self) -> str:
         return f"{self.client_id}-{next(self._ids)}"
@@ -117,16 +167,17 @@ class AsyncEngineClient:
         rid = request_id or self.new_request_id()
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
+        request = GenerateRequest(rid, prompt_token_ids, params, adapter, cache_salt, stream)
+        self._inflight[rid] = _InFlight(request)
         finished = False
         try:
-            await self.sock.send(encode_request(GenerateRequest(rid, prompt_token_ids, params, adapter, cache_salt,
-                                                                stream)))
+            await self.sock.send(encode_request(request))
             while not finished:
                 try:
                     out = await asyncio.wait_for(q.get(), timeout=HEARTBEAT_TIMEOUT)
                 except asyncio.TimeoutError:
-                    if not self.healthy:
-                        finished = True     # nothing to abort: the engine is gone
+                    if time.monotonic() - self.last_heartbeat > RESTART_WAIT:
+                        finished = True     # nothing to abort: the engine is gone and did not come back
                         raise EngineError("engine unavailable", 503) from None
                     continue
                 if out.error is not None:
@@ -136,6 +187,7 @@ class AsyncEngineClient:
                 yield out
         finally:
             self._queues.pop(rid, None)
+            self._inflight.pop(rid, None)
             if not finished:
                 await self.abort(rid)
 

@@ -1,9 +1,9 @@
 """`loraplex serve`: start one engine process and N HTTP frontend processes on one port.
 
 Processes are started with subprocess (never multiprocessing's pickling); each child prints one JSON
-line on stdout when ready. A frontend that dies is restarted.
-A dead engine is restarted too (its in-flight requests fail with 503; frontends reconnect by
-themselves). SIGINT / SIGTERM shut every process down cleanly.
+line on stdout when ready. A frontend that dies is restarted. A dead engine is restarted too; the
+frontends reconnect by themselves and resend its in-flight requests (see frontends/engine_client.py).
+SIGINT / SIGTERM shut every process down cleanly.
 """
 from __future__ import annotations
 
