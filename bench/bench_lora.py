@@ -68,7 +68,24 @@ def experiment_a(args, work: Path) -> None:
     print(f"    base only          : {base:8.1f} tok/s")
     print(f"    64 rank-16 adapters: {lora:8.1f} tok/s   ({stats_line(llm, before)})")
     print(f"    ratio              : {lora / base:.2f}x base-only (target 0.8)")
+    read_s, nbytes = read_time(llm.engine.slots.buf)
+    steps = args.out_len - 1                    # decode steps: each reads every adapter's A and B once
+    base_s = n * args.out_len / base
+    print(f"    bound              : the adapters' {nbytes / 1e6:.0f} MB take {read_s * 1e3:.1f} ms to read once here "
+          f"({nbytes / read_s / 1e9:.1f} GB/s); {steps} decode steps add at least {steps * read_s:.2f} s to the "
+          f"base run's {base_s:.2f} s: at most {base_s / (base_s + steps * read_s):.2f}x")
     llm.engine.adapters.close()
+
+
+def read_time(bufs: dict) -> tuple[float, int]:
+    """Best time to read every byte of the LoRA slot buffers once (a plain sum), and their size."""
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for b in bufs.values():
+            b.sum()
+        best = min(best, time.perf_counter() - t)
+    return best, sum(b.numel() * b.element_size() for b in bufs.values())
 
 
 def experiment_b(args, work: Path) -> None:

@@ -101,8 +101,7 @@ DEFINE_LORA(lora_decode_f32, float, f32_id, f32_id)
  * weights already in cache (prefetched during the base GEMM, see gemm.c) are consumed at cache speed.
  * Shrink: vdpbf16ps of A's rows with x (exact bf16 products, fp32 sums), 4 rows per pass over x.
  * Expand: fp32 FMAs; 32 bf16 of a B row are split into their even and odd columns by two integer ops
- * (no conversion instructions), so the fp32 accumulator holds even and odd columns apart until the
- * single rounding into y. */
+ * (no conversion instructions); see expand_add_bf16. */
 static inline __mmask32 mask32(int64_t left) { return left >= 32 ? 0xffffffffu : (__mmask32)((1ull << left) - 1); }
 
 static inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
@@ -135,47 +134,35 @@ static void shrink_bf16(const uint16_t *xt, const uint16_t *as, int rows, int in
     }
 }
 
-/* acc: [ceil(o / 32)][2][16] fp32, even columns then odd columns of each 32; += sum_k v[k * G] * B[k] */
-static void expand_bf16(const uint16_t *bs, int64_t o, int r, const float *v, int G, float *acc) {
+/* y[0, o) += sum_k v[k * G] * B[k] (B: r rows of o at stride o), one rounding per output. Column chunks
+ * outermost: a chunk's 32 sums stay in registers over all ranks (even and odd columns apart), so the
+ * only memory traffic is B itself and one read-modify-write of y. */
+static void expand_add_bf16(const uint16_t *bs, int64_t o, int r, const float *v, int G, uint16_t *yt) {
     const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
-    int k = 0;
-    for (; k + 2 <= r; k += 2) {
-        const uint16_t *b0 = bs + (int64_t)k * o, *b1 = b0 + o;
-        prefetch(b0 + 8 * o, 2 * o * sizeof(uint16_t));
-        const __m512 v0 = _mm512_set1_ps(v[k * G]), v1 = _mm512_set1_ps(v[(k + 1) * G]);
-        for (int64_t j = 0, c = 0; j < o; j += 32, c += 32) {
-            const __mmask32 m = mask32(o - j);
-            const __m512i w0 = _mm512_maskz_loadu_epi16(m, b0 + j), w1 = _mm512_maskz_loadu_epi16(m, b1 + j);
-            __m512 e = _mm512_load_ps(acc + c), d = _mm512_load_ps(acc + c + 16);
-            e = _mm512_fmadd_ps(v0, _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)), e);
-            d = _mm512_fmadd_ps(v0, _mm512_castsi512_ps(_mm512_and_si512(w0, hi)), d);
-            e = _mm512_fmadd_ps(v1, _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)), e);
-            d = _mm512_fmadd_ps(v1, _mm512_castsi512_ps(_mm512_and_si512(w1, hi)), d);
-            _mm512_store_ps(acc + c, e);
-            _mm512_store_ps(acc + c + 16, d);
-        }
-    }
-    for (; k < r; k++) {
-        const uint16_t *b0 = bs + (int64_t)k * o;
-        const __m512 v0 = _mm512_set1_ps(v[k * G]);
-        for (int64_t j = 0, c = 0; j < o; j += 32, c += 32) {
-            const __m512i w0 = _mm512_maskz_loadu_epi16(mask32(o - j), b0 + j);
-            _mm512_store_ps(acc + c, _mm512_fmadd_ps(v0, _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)),
-                                                     _mm512_load_ps(acc + c)));
-            _mm512_store_ps(acc + c + 16, _mm512_fmadd_ps(v0, _mm512_castsi512_ps(_mm512_and_si512(w0, hi)),
-                                                          _mm512_load_ps(acc + c + 16)));
-        }
-    }
-}
-
-/* y[0, o) += acc (even / odd layout), one rounding per output */
-static void add_into_bf16(uint16_t *yt, int64_t o, const float *acc) {
-    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
-    for (int64_t j = 0, c = 0; j < o; j += 32, c += 32) {
+    for (int64_t j = 0; j < o; j += 32) {
         const __mmask32 m = mask32(o - j);
+        __m512 e0 = _mm512_setzero_ps(), d0 = e0, e1 = e0, d1 = e0;
+        const uint16_t *bp = bs + j;
+        int k = 0;
+        for (; k + 2 <= r; k += 2, bp += 2 * o) {
+            _mm_prefetch((const char *)(bp + 128), _MM_HINT_T0);       /* 4 chunks ahead in both rows */
+            _mm_prefetch((const char *)(bp + o + 128), _MM_HINT_T0);
+            const __m512i w0 = _mm512_maskz_loadu_epi16(m, bp), w1 = _mm512_maskz_loadu_epi16(m, bp + o);
+            const __m512 v0 = _mm512_set1_ps(v[k * G]), v1 = _mm512_set1_ps(v[(k + 1) * G]);
+            e0 = _mm512_fmadd_ps(v0, _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)), e0);
+            d0 = _mm512_fmadd_ps(v0, _mm512_castsi512_ps(_mm512_and_si512(w0, hi)), d0);
+            e1 = _mm512_fmadd_ps(v1, _mm512_castsi512_ps(_mm512_slli_epi32(w1, 16)), e1);
+            d1 = _mm512_fmadd_ps(v1, _mm512_castsi512_ps(_mm512_and_si512(w1, hi)), d1);
+        }
+        if (k < r) {
+            const __m512i w0 = _mm512_maskz_loadu_epi16(m, bp);
+            const __m512 v0 = _mm512_set1_ps(v[k * G]);
+            e0 = _mm512_fmadd_ps(v0, _mm512_castsi512_ps(_mm512_slli_epi32(w0, 16)), e0);
+            d0 = _mm512_fmadd_ps(v0, _mm512_castsi512_ps(_mm512_and_si512(w0, hi)), d0);
+        }
         const __m512i yv = _mm512_maskz_loadu_epi16(m, yt + j);
-        const __m512 e = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(yv, 16)), _mm512_load_ps(acc + c));
-        const __m512 d = _mm512_add_ps(_mm512_castsi512_ps(_mm512_and_si512(yv, hi)), _mm512_load_ps(acc + c + 16));
+        const __m512 e = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(yv, 16)), _mm512_add_ps(e0, e1));
+        const __m512 d = _mm512_add_ps(_mm512_castsi512_ps(_mm512_and_si512(yv, hi)), _mm512_add_ps(d0, d1));
         const __m512i lo16 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(e));
         const __m512i hi16 = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(d)), 16);
         _mm512_mask_storeu_epi16(yt + j, m, _mm512_or_si512(lo16, hi16));
@@ -188,33 +175,23 @@ int lora_decode_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y
                      const int64_t *out) {
     if (G > MAX_GROUPS || R * G > MAX_RANK_ROWS || in > MAX_IN) return -1;
     for (int i = 0; i < n; i++) if (rank[i] < 0 || rank[i] > R) return -3;
-    int64_t padded = 0;                          /* accumulator floats: each output rounded up to 32 */
-    for (int g = 0; g < G; g++) padded += (out[g] + 31) / 32 * 32;
-    int failed = 0;
-#pragma omp parallel
-    {
-        float *acc = (float *)aligned_alloc(64, sizeof(float) * (size_t)padded);
+#pragma omp parallel for schedule(static)
+    for (int i = 0; i < n; i++) {
         float v[MAX_RANK_ROWS];
-        if (!acc) failed = 1;
-#pragma omp for schedule(static)
-        for (int i = 0; i < n; i++) {
-            if (!acc) continue;
-            const int64_t t = tok[i], s = slot[i];
-            const int r = (int)rank[i];
-            const uint16_t *as = a + s * a_slot_stride;
-            shrink_bf16(x + t * x_stride, as, r * G, in, v);
-            uint16_t *yt = y + t * y_stride;
-            for (int g = 0; g < G; g++) {
-                const int64_t o = out[g];
-                for (int64_t j = 0; j < (o + 31) / 32 * 32; j++) acc[j] = 0.f;
-                expand_bf16(b[g] + s * b_slot_stride[g], o, r, v + g, G, acc);
-                add_into_bf16(yt, o, acc);
-                yt += o;
-            }
+        const int64_t t = tok[i], s = slot[i];
+        const int r = (int)rank[i];
+        const uint16_t *as = a + s * a_slot_stride;
+        prefetch(as, 8 * (int64_t)in * sizeof(uint16_t));   /* the first rows of A, the first chunks of B's rows */
+        for (int g = 0; g < G; g++)
+            for (int k = 0; k < r; k++) prefetch(b[g] + s * b_slot_stride[g] + k * out[g], 256);
+        shrink_bf16(x + t * x_stride, as, r * G, in, v);
+        uint16_t *yt = y + t * y_stride;
+        for (int g = 0; g < G; g++) {
+            expand_add_bf16(b[g] + s * b_slot_stride[g], out[g], r, v + g, G, yt);
+            yt += out[g];
         }
-        free(acc);
     }
-    return failed ? -2 : 0;
+    return 0;
 }
 #else
 DEFINE_LORA(lora_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
