@@ -4,7 +4,9 @@ adapters in Python.
 Tokens are grouped once per step (`LoraBatch.build`). Decode tokens (the first `num_decode`, one per
 request) go to the C kernel (kernels/cpu/lora_decode.c): one task per token that streams its adapter's
 own rank of A and B once, in fp32, so a decode token's delta never depends on who shares the step or
-its adapter. Prefill tokens are grouped by slot; slots are bucketed by their token count (1, <= 8, more)
+its adapter. In bf16 on CPUs with AVX512-BF16, prefill tokens go to its segment kernel (tokens grouped
+by adapter, 4 at a time per weight load, each token still computed on its own). Otherwise prefill
+tokens are grouped by slot; slots are bucketed by their token count (1, <= 8, more)
 so that a bucket pads each slot's tokens to at most a few times their number, and each bucket runs as
 batched matmuls over its slots: one shrink per fused group and one expand per module, read in place
 when the bucket's tokens are one run of rows, gathered otherwise. Without a C compiler decode tokens
@@ -40,11 +42,12 @@ class LoraBatch:
     """Implements the model's LoraHook for one step."""
 
     def __init__(self, slots: LoraSlots, buckets: list[Bucket], decode: c_lora.LoraDecode | None, rank: int,
-                 modules: frozenset[str]):
+                 modules: frozenset[str], segments: c_lora.LoraSegments | None = None):
         self.buf = slots.buf
         self.weights = slots.c_weights
         self.buckets = buckets       # prefill tokens (and decode tokens without the C kernel)
         self.decode = decode         # decode tokens, through the C kernel
+        self.segments = segments     # prefill tokens through the C segment kernel (bf16), instead of buckets
         self.rank = rank
         # groups no active adapter targets are skipped entirely
         self.groups = {g for g, (_, _, mods) in GROUPS.items() if modules.intersection(mods)}
@@ -71,26 +74,24 @@ class LoraBatch:
         for t in range(first, len(token_slots)):
             if token_slots[t] >= 0:
                 per_slot.setdefault(token_slots[t], []).append(t)
+        rank = max(slots.rank_of[a] for a in active)
+        modules = frozenset().union(*(slots.modules_of[a] for a in active))
+        if per_slot and use_c_kernel(slots) and c_lora.supports_segments(slots.dtype):
+            return cls(slots, [], decode, rank, modules, _segments(per_slot, slot_rank, slots.dtype))
         groups: dict[int, list[int]] = {}
         for s, toks in sorted(per_slot.items()):
             cls_ = next((i for i, lim in enumerate(BUCKET_LIMITS) if len(toks) <= lim), len(BUCKET_LIMITS))
             groups.setdefault(cls_, []).append(s)
         buckets = [_bucket(g, per_slot) for g in groups.values()]
-        rank = max(slots.rank_of[a] for a in active)
-        modules = frozenset().union(*(slots.modules_of[a] for a in active))
         return cls(slots, buckets, decode, rank, modules)
-
-    def prefetch(self, layer: int, group: str) -> tuple | None:
-        """The decode tokens' weights of this group, for the base GEMM to prefetch before `apply`."""
-        if self.decode is None or group not in self.groups:
-            return None
-        return self.decode.prefetch(self.weights(layer, group))
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
         if group not in self.groups:
             return
         if self.decode is not None:
             self.decode(x, y, self.weights(layer, group))
+        if self.segments is not None:
+            self.segments(x, y, self.weights(layer, group))
         a_name, b_names, _ = GROUPS[group]
         for bk in self.buckets:
             self._apply_matmul(layer, a_name, b_names, bk, x, y)
@@ -121,6 +122,16 @@ class LoraBatch:
         # NOTE: targets are distinct within a bucket, so gather-add-scatter is exact (and much faster
         # than index_add_ on CPU).
         y.index_copy_(0, bk.targets, torch.index_select(y, 0, bk.targets) + out)
+
+
+def _segments(per_slot: dict[int, list[int]], slot_rank: dict[int, int], dtype: torch.dtype) -> c_lora.LoraSegments:
+    order = sorted(per_slot)
+    tokens = [t for s in order for t in per_slot[s]]
+    starts = [0]
+    for s in order:
+        starts.append(starts[-1] + len(per_slot[s]))
+    return c_lora.LoraSegments(torch.tensor(tokens), torch.tensor(starts), torch.tensor(order),
+                               torch.tensor([slot_rank[s] for s in order]), dtype)
 
 
 def _bucket(group: list[int], per_slot: dict[int, list[int]]) -> Bucket:

@@ -1,7 +1,6 @@
 """y = x @ W^T for the base model's projections, with the weight packed once for the fastest kernel here.
 
-bf16 on a CPU with AVX512-BF16: the C GEMM of kernels/cpu/gemm.c (packed weights; it can also prefetch
-the step's LoRA weights while it computes). Otherwise, where oneDNN has native bf16, its pre-packed
+bf16 on a CPU with AVX512-BF16: the C GEMM of kernels/cpu/gemm.c (packed weights). Otherwise, where oneDNN has native bf16, its pre-packed
 ("reordered") weights, which skip the per-call re-layout of W that `F.linear` pays (1.2-1.8x on the M=64
 decode GEMMs). Other dtypes and CPUs use `F.linear` on the plain tensor.
 """
@@ -35,10 +34,9 @@ class Linear:
         self.c = c_gemm.Gemm(weight) if kernel == "c" else None
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _DECODE_M_HINT) if kernel == "onednn" else None
 
-    def __call__(self, x: torch.Tensor, prefetch: tuple | None = None) -> torch.Tensor:
-        """prefetch: the LoRA weights about to be read (see kernels/cpu/gemm.py); only the C GEMM uses it."""
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.c is not None:
-            return self.c(x, prefetch)
+            return self.c(x)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
         return F.linear(x, self.weight)

@@ -22,9 +22,6 @@ class LoraHook(Protocol):
         """Add the adapters' deltas in place: y[t] += lora_{group}(x[t]) for every token t.
         group is "qkv", "o", "gate_up" or "down"; x: [T, in], y: [T, out] (fused outputs)."""
 
-    def prefetch(self, layer: int, group: str) -> tuple | None:
-        """What the base GEMM of this group may prefetch for `apply` (see engine/model/linear.py), or None."""
-
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """As Hugging Face Llama: normalise in fp32, scale in the model dtype."""
@@ -62,10 +59,6 @@ class CFusedOps:
         elementwise.write_kv(k_cache, v_cache, k, v, meta.slot_page, meta.slot_offset)
 
 
-def _no_prefetch(layer: int, group: str) -> None:
-    return None
-
-
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: LlamaWeights):
         self.cfg = cfg
@@ -80,12 +73,11 @@ class LlamaModel:
                 lora: LoraHook | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; logits_indices: [S] rows to project -> logits [S, vocab] fp32."""
         cfg, ops = self.cfg, self.ops
-        pf = lora.prefetch if lora is not None else _no_prefetch
         x = F.embedding(input_ids, self.w.embed)                     # [T, H]
         cos, sin = self.rope.cos[positions], self.rope.sin[positions]   # [T, head_dim]
         for i, layer in enumerate(self.w.layers):
             h = ops.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = layer.qkv(h, pf(i, "qkv"))                              # [T, q + 2kv]
+            qkv = layer.qkv(h)                              # [T, q + 2kv]
             if lora is not None:
                 lora.apply(i, "qkv", h, qkv)
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
@@ -95,16 +87,16 @@ class LlamaModel:
             k_cache, v_cache = kv_caches[i]
             ops.write_kv(k_cache, v_cache, k, v, meta)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale).flatten(1)  # [T, q]
-            o = layer.o(attn, pf(i, "o"))
+            o = layer.o(attn)
             if lora is not None:
                 lora.apply(i, "o", attn, o)
             x = x + o
             h = ops.rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate_up = layer.gate_up(h, pf(i, "gate_up"))                      # [T, 2I]
+            gate_up = layer.gate_up(h)                      # [T, 2I]
             if lora is not None:
                 lora.apply(i, "gate_up", h, gate_up)
             act = ops.silu_mul(gate_up)                               # [T, I]
-            down = layer.down(act, pf(i, "down"))
+            down = layer.down(act)
             if lora is not None:
                 lora.apply(i, "down", act, down)
             x = x + down

@@ -1,5 +1,4 @@
-"""ctypes binding of the bf16 GEMM (gemm.c): y = x @ W^T with W packed once, optionally prefetching the
-step's LoRA weights while it computes.
+"""ctypes binding of the bf16 GEMM (gemm.c): y = x @ W^T with W packed once.
 
 Measured here against oneDNN's pre-packed bf16 GEMM: 15-20% faster for the M <= 512 row counts of
 decode steps, ~4% slower at 2048 rows (prefill). Requires bf16 and a CPU with AVX512-BF16.
@@ -14,17 +13,10 @@ import torch
 from kernels.cpu.build import load_functions
 
 NB = 48            # columns per packed block, as compiled into gemm.c
-MAX_GROUPS = 3
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
-class LoraPlan(ctypes.Structure):
-    """Mirror of gemm.c's lora_plan: where one layer's fused LoRA group lives, in bytes."""
-    _fields_ = [("a", _P), ("a_slot", _I64), ("a_rank", _I64), ("groups", _I),
-                ("b", _P * MAX_GROUPS), ("b_slot", _I64 * MAX_GROUPS), ("b_rank", _I64 * MAX_GROUPS)]
-
-
-_ARGS = [_P, _I64, _P, _P, _I64, _I, _I, _I, ctypes.POINTER(LoraPlan), _I, _P, _P]
+_ARGS = [_P, _I64, _P, _P, _I64, _I, _I, _I]
 _FN: object = False   # False until first use
 
 
@@ -56,16 +48,6 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return w.view(blocks, NB, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-def plan_for(a: torch.Tensor, bs: list[torch.Tensor]) -> LoraPlan:
-    """a: [S, R, G, in] and bs[g]: [S, R, out_g], rows of a slot contiguous (the kernel's slot layout)."""
-    S, R, G, n_in = a.shape
-    size = a.element_size()
-    p = LoraPlan(a=a.data_ptr(), a_slot=a.stride(0) * size, a_rank=G * n_in * size, groups=G)
-    for g, b in enumerate(bs):
-        p.b[g], p.b_slot[g], p.b_rank[g] = b.data_ptr(), b.stride(0) * size, b.shape[2] * size
-    return p
-
-
 class Gemm:
     """y = x @ weight^T for x: [M, K] (rows contiguous) -> [M, N] bf16. Requires supports()."""
 
@@ -74,17 +56,14 @@ class Gemm:
         self.packed = pack(weight)
         self.fn = _fn()
 
-    def __call__(self, x: torch.Tensor, prefetch: tuple | None = None) -> torch.Tensor:
-        """prefetch: (LoraPlan, n, slots [n] int64, ranks [n] int64) of the LoRA that follows, or None."""
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         assert x.dim() == 2 and x.shape[1] == self.in_features and x.dtype == torch.bfloat16
         if x.stride(-1) != 1:
             x = x.contiguous()
         m = x.shape[0]
         y = torch.empty(m, self.out_features, dtype=x.dtype)
-        plan, n, slots, ranks = prefetch if prefetch is not None else (None, 0, None, None)
         rc = self.fn(x.data_ptr(), x.stride(0), self.packed.data_ptr(), y.data_ptr(), y.stride(0), m,
-                     self.in_features, self.out_features, None if plan is None else ctypes.byref(plan), n,
-                     None if slots is None else slots.data_ptr(), None if ranks is None else ranks.data_ptr())
+                     self.in_features, self.out_features)
         if rc != 0:
             raise RuntimeError(f"gemm_bf16 failed with code {rc} (K={self.in_features})")
         return y

@@ -16,6 +16,7 @@ from kernels.cpu.build import load_functions
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I, _P, _I64, _I, _I, _I, _P, _P, _P]
 _FNS: dict | None | bool = False   # False until first use
+_SEG: dict | None | bool = False
 
 
 def _fns():
@@ -24,6 +25,14 @@ def _fns():
         _FNS = load_functions("lora_decode", {torch.bfloat16: "lora_decode_bf16", torch.float32: "lora_decode_f32"},
                               _ARGS)
     return _FNS
+
+
+def _segment_fns():
+    global _SEG
+    if _SEG is False:
+        _SEG = (load_functions("lora_decode", {torch.bfloat16: "lora_segments_bf16"}, [*_ARGS[:4], _P, *_ARGS[4:]])
+                if c_gemm.supports(torch.bfloat16, 2) else None)
+    return _SEG
 
 
 MAX_RANK, MAX_IN = 256, 65536   # as compiled into lora_decode.c (at most 3 fused outputs)
@@ -35,6 +44,12 @@ def fits(max_rank: int, max_in: int) -> bool:
 
 def supports(dtype: torch.dtype) -> bool:
     fns = _fns()
+    return fns is not None and dtype in fns
+
+
+def supports_segments(dtype: torch.dtype) -> bool:
+    """Whether LoraSegments runs here (bf16 on a CPU with AVX512-BF16)."""
+    fns = _segment_fns()
     return fns is not None and dtype in fns
 
 
@@ -52,7 +67,6 @@ class Weights:
         self.b_ptrs = (ctypes.c_void_p * G)(*[b.data_ptr() for b in bs])
         self.b_strides = (ctypes.c_int64 * G)(*[b.stride(0) for b in bs])
         self.outs = (ctypes.c_int64 * G)(*[b.shape[2] for b in bs])
-        self.plan = c_gemm.plan_for(a, bs)           # where the GEMM before this LoRA prefetches from
 
 
 class LoraDecode:
@@ -65,11 +79,6 @@ class LoraDecode:
         self.n = len(self.tokens)
         self.fn = _fns()[dtype]
         self.dtype = dtype
-
-    def prefetch(self, w: Weights) -> tuple:
-        """What the GEMM before `self(x, y, w)` should prefetch (kernels/cpu/gemm.py)."""
-        return w.plan, self.n, self.slots, self.ranks
-
     def __call__(self, x: torch.Tensor, y: torch.Tensor, w: Weights) -> None:
         """x: [T, in]; y: [T, sum(out_g)]; rows of both contiguous."""
         assert x.stride(1) == 1 and y.stride(1) == 1 and x.shape[1] == w.n_in and y.shape[1] == w.width
@@ -79,4 +88,31 @@ class LoraDecode:
                      w.max_rank, w.groups, w.n_in, w.b_ptrs, w.b_strides, w.outs)
         if rc != 0:
             raise RuntimeError(f"lora_decode failed with code {rc} (max rank {w.max_rank}, groups {w.groups}, "
+                               f"in {w.n_in})")
+
+
+class LoraSegments:
+    """Prefill tokens grouped by adapter: segment i is tokens[starts[i]:starts[i + 1]], all with slot
+    slots[i] and rank ranks[i]; y[t] += bs[g][s, :r]^T @ (a[s, :r, g] @ x[t]) for each, in place, every
+    token computed on its own. Requires supports_segments(dtype)."""
+
+    def __init__(self, tokens: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, ranks: torch.Tensor,
+                 dtype: torch.dtype):
+        self.tokens, self.starts, self.slots, self.ranks = (
+            t.to(torch.int64).contiguous() for t in (tokens, starts, slots, ranks))
+        assert len(self.starts) == len(self.slots) + 1 == len(self.ranks) + 1
+        assert int(self.starts[0]) == 0 and int(self.starts[-1]) == len(self.tokens)
+        self.n = len(self.slots)
+        self.fn = _segment_fns()[dtype]
+        self.dtype = dtype
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, w: Weights) -> None:
+        """x: [T, in]; y: [T, sum(out_g)]; rows of both contiguous."""
+        assert x.stride(1) == 1 and y.stride(1) == 1 and x.shape[1] == w.n_in and y.shape[1] == w.width
+        assert x.dtype == y.dtype == w.a.dtype == self.dtype
+        rc = self.fn(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), self.tokens.data_ptr(),
+                     self.starts.data_ptr(), self.slots.data_ptr(), self.ranks.data_ptr(), self.n, w.a.data_ptr(),
+                     w.a.stride(0), w.max_rank, w.groups, w.n_in, w.b_ptrs, w.b_strides, w.outs)
+        if rc != 0:
+            raise RuntimeError(f"lora_segments failed with code {rc} (max rank {w.max_rank}, groups {w.groups}, "
                                f"in {w.n_in})")

@@ -193,6 +193,130 @@ int lora_decode_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y
     }
     return 0;
 }
+
+/* Multi-LoRA for segments of tokens sharing an adapter (prefill), bf16: the same per-token result as
+ * y[t] += Bt[s]^T (A[s] x[t]) with each token computed on its own (no sums across tokens, so a token's
+ * delta does not depend on the rest of the batch), 4 tokens at a time so that each weight vector loaded
+ * serves 4 tokens: shrink in 4 tokens x 4 rows dot-product tiles (vdpbf16ps, reduced 16 at a time),
+ * expand in 4 tokens x 32 columns register tiles.
+ * Segment i covers tok[seg_start[i] .. seg_start[i + 1]) (rows of x and y), adapter slot seg_slot[i],
+ * rank seg_rank[i] <= R; other arguments as lora_decode_bf16. */
+#define TT 4
+
+static inline __m512 sum16_lanes(const __m512 *a) {
+    __m512 x[8], z[4], r[2];
+    for (int i = 0; i < 8; i++)
+        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        z[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)
+        r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* v[tt][row] = A[row] . x[tt] for rows < rows, tt < TT (x rows past the real tokens repeat one) */
+static void shrink_tile_bf16(const uint16_t *const *xs, const uint16_t *as, int rows, int in,
+                             float v[TT][MAX_RANK_ROWS]) {
+    for (int row = 0; row < rows; row += 4) {
+        const uint16_t *ar[4];
+        for (int q = 0; q < 4; q++) ar[q] = as + (int64_t)(row + q < rows ? row + q : rows - 1) * in;
+        __m512 acc[16];
+        for (int q = 0; q < 16; q++) acc[q] = _mm512_setzero_ps();
+        for (int j = 0; j < in; j += 32) {
+            const __mmask32 m = mask32(in - j);
+            __m512bh xv[TT], av[4];
+            for (int tt = 0; tt < TT; tt++) xv[tt] = (__m512bh)_mm512_maskz_loadu_epi16(m, xs[tt] + j);
+            for (int q = 0; q < 4; q++) av[q] = (__m512bh)_mm512_maskz_loadu_epi16(m, ar[q] + j);
+            for (int tt = 0; tt < TT; tt++)
+                for (int q = 0; q < 4; q++) acc[tt * 4 + q] = _mm512_dpbf16_ps(acc[tt * 4 + q], av[q], xv[tt]);
+        }
+        float sums[16];
+        _mm512_storeu_ps(sums, sum16_lanes(acc));
+        for (int tt = 0; tt < TT; tt++)
+            for (int q = 0; q < 4 && row + q < rows; q++) v[tt][row + q] = sums[tt * 4 + q];
+    }
+}
+
+/* y[tt][0, o) += sum_k v[tt][k * G] * B[k] for tt < nt */
+static void expand_tile_bf16(const uint16_t *bs, int64_t o, int r, float v[TT][MAX_RANK_ROWS], int g, int G,
+                             uint16_t *const *ys, int nt) {
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    for (int64_t j = 0; j < o; j += 32) {
+        const __mmask32 m = mask32(o - j);
+        __m512 e[TT], d[TT];
+#pragma GCC unroll 4
+        for (int tt = 0; tt < TT; tt++) e[tt] = d[tt] = _mm512_setzero_ps();
+        const uint16_t *bp = bs + j;
+        for (int k = 0; k < r; k++, bp += o) {
+            _mm_prefetch((const char *)(bp + 128), _MM_HINT_T0);
+            const __m512i w = _mm512_maskz_loadu_epi16(m, bp);
+            const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+            const __m512 od = _mm512_castsi512_ps(_mm512_and_si512(w, hi));
+#pragma GCC unroll 4
+            for (int tt = 0; tt < TT; tt++) {
+                const __m512 vk = _mm512_set1_ps(v[tt][k * G + g]);
+                e[tt] = _mm512_fmadd_ps(vk, lo, e[tt]);
+                d[tt] = _mm512_fmadd_ps(vk, od, d[tt]);
+            }
+        }
+#pragma GCC unroll 4
+        for (int tt = 0; tt < TT; tt++) {     /* constant trip count: e, d stay in registers */
+            if (tt >= nt) break;
+            uint16_t *yt = ys[tt] + j;
+            const __m512i yv = _mm512_maskz_loadu_epi16(m, yt);
+            const __m512 ev = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(yv, 16)), e[tt]);
+            const __m512 dv = _mm512_add_ps(_mm512_castsi512_ps(_mm512_and_si512(yv, hi)), d[tt]);
+            const __m512i lo16 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(ev));
+            const __m512i hi16 = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(dv)), 16);
+            _mm512_mask_storeu_epi16(yt, m, _mm512_or_si512(lo16, hi16));
+        }
+    }
+}
+
+int lora_segments_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const int64_t *tok,
+                       const int64_t *seg_start, const int64_t *seg_slot, const int64_t *seg_rank, int n_seg,
+                       const uint16_t *a, int64_t a_slot_stride, int R, int G, int in, const uint16_t *const *b,
+                       const int64_t *b_slot_stride, const int64_t *out) {
+    if (G > MAX_GROUPS || R * G > MAX_RANK_ROWS || in > MAX_IN) return -1;
+    int64_t tasks = 0;
+    for (int i = 0; i < n_seg; i++) {
+        if (seg_rank[i] < 0 || seg_rank[i] > R || seg_start[i + 1] < seg_start[i]) return -3;
+        tasks += (seg_start[i + 1] - seg_start[i] + TT - 1) / TT;
+    }
+    int64_t *task_seg = (int64_t *)malloc(sizeof(int64_t) * 2 * (tasks + 1));
+    if (!task_seg) return -2;
+    int64_t *task_first = task_seg + tasks + 1, k = 0;
+    for (int i = 0; i < n_seg; i++)
+        for (int64_t f = seg_start[i]; f < seg_start[i + 1]; f += TT) { task_seg[k] = i; task_first[k++] = f; }
+#pragma omp parallel for schedule(static)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t i = task_seg[task], first = task_first[task];
+        const int nt = (int)(seg_start[i + 1] - first < TT ? seg_start[i + 1] - first : TT);
+        const int64_t s = seg_slot[i];
+        const int r = (int)seg_rank[i];
+        const uint16_t *xs[TT];
+        uint16_t *ys[TT];
+        for (int tt = 0; tt < TT; tt++) {
+            const int64_t t = tok[first + (tt < nt ? tt : nt - 1)];
+            xs[tt] = x + t * x_stride;
+            ys[tt] = y + t * y_stride;
+        }
+        float v[TT][MAX_RANK_ROWS];
+        shrink_tile_bf16(xs, a + s * a_slot_stride, r * G, in, v);
+        int64_t col = 0;
+        for (int g = 0; g < G; g++) {
+            uint16_t *yg[TT];
+            for (int tt = 0; tt < TT; tt++) yg[tt] = ys[tt] + col;
+            expand_tile_bf16(b[g] + s * b_slot_stride[g], out[g], r, v, g, G, yg, nt);
+            col += out[g];
+        }
+    }
+    free(task_seg);
+    return 0;
+}
 #else
 DEFINE_LORA(lora_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 #endif

@@ -1,4 +1,5 @@
 """The CPU multi-LoRA path against a per-token fp32 reference, over token spreads and bucket layouts."""
+import dataclasses
 import random
 
 import pytest
@@ -22,14 +23,14 @@ def path(request, monkeypatch):
     return request.param
 
 
-def make_slots(ranks):
-    slots = LoraSlots(LoraConfig(max_loras=len(ranks), max_lora_rank=16), TINY)
+def make_slots(ranks, dtype=torch.float32):
+    slots = LoraSlots(LoraConfig(max_loras=len(ranks), max_lora_rank=16), dataclasses.replace(TINY, dtype=dtype))
     g = torch.Generator().manual_seed(0)
     for s, r in enumerate(ranks):
         for name, buf in slots.buf.items():
             part = buf[:, s]
             part.zero_()
-            part[:, :r].copy_(torch.randn(part[:, :r].shape, generator=g))   # A and B are rank-major
+            part[:, :r].copy_(torch.randn(part[:, :r].shape, generator=g).to(dtype))   # A and B are rank-major
         slots.slot_of[s + 1] = s
         slots.rank_of[s + 1] = r
         slots.modules_of[s + 1] = frozenset(m for g_ in GROUPS.values() for m in g_[2])
@@ -44,9 +45,9 @@ def reference(slots, layer, group, x, token_slots):
             continue
         col = 0
         for i, b in enumerate(b_names):
-            A = slots.buf[a_name][layer, s][:, i]          # [R, in]
-            B = slots.buf[b][layer, s]                     # [R, out]
-            y[t, col:col + B.shape[1]] = B.T @ (A @ x[t])
+            A = slots.buf[a_name][layer, s][:, i].float()  # [R, in]
+            B = slots.buf[b][layer, s].float()             # [R, out]
+            y[t, col:col + B.shape[1]] = B.T @ (A @ x[t].float())
             col += B.shape[1]
     return y
 
@@ -99,3 +100,23 @@ def test_random_batches_match_reference(seed):
     y = torch.zeros_like(ref)
     batch.apply(0, "qkv", x, y)
     torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bf16_batches_match_reference(seed, path):
+    """bf16: decode tokens and (with AVX512-BF16) prefill segments through the C kernels."""
+    rng = random.Random(seed)
+    ranks = [rng.choice([1, 4, 8, 16]) for _ in range(rng.randint(2, 6))]
+    slots = make_slots(ranks, torch.bfloat16)
+    token_slots = []
+    for _ in range(rng.randint(2, 10)):
+        token_slots += [rng.randrange(-1, len(ranks))] * rng.choice([1, 1, 3, 5, 9, 17])
+    token_slots[0] = 0
+    batch = LoraBatch.build(slots, token_slots, [s + 1 if s >= 0 else 0 for s in token_slots], 1)
+    if path == "c-kernel" and cpu_lora.c_lora.supports_segments(torch.bfloat16) and len(token_slots) > 1:
+        assert batch.buckets == [] and (batch.segments is not None or all(s < 0 for s in token_slots[1:]))
+    x = (torch.randn(len(token_slots), 32) * 0.5).to(torch.bfloat16)
+    ref = reference(slots, 0, "qkv", x, token_slots)
+    y = torch.zeros(ref.shape, dtype=torch.bfloat16)
+    batch.apply(0, "qkv", x, y)
+    torch.testing.assert_close(y.float(), ref, atol=0.1, rtol=2e-2)

@@ -74,3 +74,32 @@ def test_ranks_beyond_the_compiled_limit_fall_back():
     assert c_lora.fits(256, 8192) and not c_lora.fits(257, 8192)
     assert not cpu_lora.use_c_kernel(LoraSlots(LoraConfig(max_loras=1, max_lora_rank=512), TINY))
     assert cpu_lora.use_c_kernel(LoraSlots(LoraConfig(max_loras=1, max_lora_rank=16), TINY))
+
+
+@pytest.mark.skipif(not c_lora.supports_segments(torch.bfloat16), reason="no AVX512-BF16 here")
+@pytest.mark.parametrize("outs,R,n_in", [((24,), 4, 37), ((40, 8, 8), 13, 64), ((33, 70), 16, 100)])
+def test_segments_match_reference_and_do_not_depend_on_the_batch(outs, R, n_in):
+    S, T = 6, 23
+    a, bs = make(S, R, n_in, outs, torch.bfloat16, seed=R)
+    w = c_lora.Weights(a, bs)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(T, n_in, generator=g).to(torch.bfloat16)
+    y0 = torch.randn(T, sum(outs), generator=g).to(torch.bfloat16)
+    # segments of 1, 4, 7 and 9 tokens (tiles of 4 with tails), any rows, one with rank 0; rows 21, 22 untouched
+    seg_tokens = [[3], [0, 1, 2, 4], [5, 6, 7, 8, 9, 10, 11], [12, 20, 13, 14, 15, 16, 17, 18, 19]]
+    slots, ranks = [2, 0, 5, 2], [R, R - 1, 0, 3]
+    tokens = torch.tensor([t for seg in seg_tokens for t in seg])
+    starts = torch.tensor([0, *torch.tensor([len(s) for s in seg_tokens]).cumsum(0).tolist()])
+    y = y0.clone()
+    c_lora.LoraSegments(tokens, starts, torch.tensor(slots), torch.tensor(ranks), torch.bfloat16)(x, y, w)
+    tok_slots = torch.tensor([s for seg, s in zip(seg_tokens, slots) for _ in seg])
+    tok_ranks = torch.tensor([r for seg, r in zip(seg_tokens, ranks) for _ in seg])
+    ref = reference(x, y0, tokens, tok_slots, tok_ranks, a, bs)
+    torch.testing.assert_close(y.float(), ref, atol=0.2, rtol=5e-2)
+    assert torch.equal(y[21:], y0[21:])
+    # each token on its own: alone in a one-token segment it gets exactly the same result
+    for t, s, r in [(13, 2, 3), (9, 5, 0), (4, 0, R - 1)]:
+        alone = y0.clone()
+        c_lora.LoraSegments(torch.tensor([t]), torch.tensor([0, 1]), torch.tensor([s]), torch.tensor([r]),
+                            torch.bfloat16)(x, alone, w)
+        assert torch.equal(alone[t], y[t])
