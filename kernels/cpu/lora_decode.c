@@ -12,6 +12,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "sum16.h"
 
 static inline void prefetch(const void *p, int64_t bytes) {
     for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i, 0, 3);
@@ -203,19 +204,6 @@ int lora_decode_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y
  * rank seg_rank[i] <= R; other arguments as lora_decode_bf16. */
 #define TT 4
 
-static inline __m512 sum16_lanes(const __m512 *a) {
-    __m512 x[8], z[4], r[2];
-    for (int i = 0; i < 8; i++)
-        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++)
-        z[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int i = 0; i < 2; i++)
-        r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
 
 /* v[tt][row] = A[row] . x[tt] for rows < rows, tt < TT (x rows past the real tokens repeat one) */
 static void shrink_tile_bf16(const uint16_t *const *xs, const uint16_t *as, int rows, int in,
@@ -234,7 +222,7 @@ static void shrink_tile_bf16(const uint16_t *const *xs, const uint16_t *as, int 
                 for (int q = 0; q < 4; q++) acc[tt * 4 + q] = _mm512_dpbf16_ps(acc[tt * 4 + q], av[q], xv[tt]);
         }
         float sums[16];
-        _mm512_storeu_ps(sums, sum16_lanes(acc));
+        _mm512_storeu_ps(sums, sum16(acc));
         for (int tt = 0; tt < TT; tt++)
             for (int q = 0; q < 4 && row + q < rows; q++) v[tt][row + q] = sums[tt * 4 + q];
     }

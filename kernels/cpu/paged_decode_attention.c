@@ -14,26 +14,12 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "sum16.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #define FAST_DOT_BF16 1
 
-/* lane t of the result = the sum of the 16 lanes of a[t], by a transpose-add tree (45 shuffles and adds
- * for 16 sums, instead of 16 separate horizontal reductions) */
-static inline __m512 sum16(const __m512 *a) {
-    __m512 x[8], z[4], r[2];
-    for (int i = 0; i < 8; i++)      /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] */
-        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int i = 0; i < 4; i++)      /* per 128-bit lane: element e = that lane's part of vector 4i + e */
-        z[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int i = 0; i < 2; i++)
-        r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(z[2 * i], z[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(r[0], r[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
 
 /* scores of query q (d bf16, d a multiple of 32) against n <= 16 keys at rows k + t * row_stride:
  * out[t] = scale * q . k_t; *mx = max(*mx, out[0..n)) */
