@@ -1,5 +1,6 @@
-"""Randomised: a request's greedy output does not depend on what shares its batch (float32), across
-adapters, chunked prefill, preemption and prefix-cache hits."""
+"""Randomised: a request's greedy output does not depend on what shares its batch, across adapters,
+chunked prefill, preemption and prefix-cache hits: in float32, and in bfloat16 where the C kernels compute
+every token's row on its own (GEMM, attention, LoRA)."""
 import random
 
 import pytest
@@ -11,11 +12,12 @@ from tests.peft_adapters import FIDELITY_ADAPTERS
 PAGE_FP32 = 30 * 2 * 16 * 3 * 64 * 4
 
 
-@pytest.fixture(scope="module")
-def llm(adapter_dir):
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def llm(adapter_dir, request):
     d, _ = adapter_dir
-    llm = LLM(dtype="float32", max_loras=3, max_num_batched_tokens=96, long_prefill_token_threshold=32,
-              kv_cache_memory_bytes=44 * PAGE_FP32)
+    page = PAGE_FP32 if request.param == "float32" else PAGE_FP32 // 2
+    llm = LLM(dtype=request.param, max_loras=3, max_num_batched_tokens=96, long_prefill_token_threshold=32,
+              kv_cache_memory_bytes=44 * page)
     for name in FIDELITY_ADAPTERS:
         llm.register_adapter(name, str(d / name))
     return llm
