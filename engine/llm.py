@@ -83,7 +83,8 @@ class LLM:
             reqs.append(GenerateRequest(rid, ids, p, adapter=a))
             self.engine.validate(reqs[-1])
             self.engine.adapter_id(a)
-            results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(0, "", [], None)])
+            results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(
+                0, "", [], None, logprobs=[] if p.logprobs is not None else None)])
         for req in reqs:
             p = req.params
             self.engine.add_request(req)
@@ -98,6 +99,9 @@ class LLM:
                     out = results[d.request_id].outputs[0]
                     out.text += d.text
                     out.token_ids.extend(d.token_ids)
+                    if out.logprobs is not None:
+                        out.logprobs.extend({t.token_id: t.logprob, **dict(zip(t.top_ids, t.top_logprobs))}
+                                            for t in d.logprobs)
                     results[d.request_id].num_cached_tokens = d.cached_tokens
                     if d.finish_reason is not None:
                         out.finish_reason = d.finish_reason

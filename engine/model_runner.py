@@ -14,7 +14,8 @@ from engine.model.attention import AttentionMetadata, PrefillSeq
 from engine.memory import huge_zeros
 from engine.model.llama import LlamaModel, LoraHook
 from engine.model.weights import load_weights
-from engine.sampler import Sampler
+from engine.sampler import Sampler, logprobs
+from ipc.outputs import TokenLogprobs
 from kernels.cpu import attention as cpu_attention
 from engine.scheduler import SchedulerOutput
 
@@ -47,6 +48,7 @@ class ModelRunner:
         self.c_decode_attention = cpu_attention.supports(m.dtype) and cpu_attention.fits(m.num_heads, m.head_dim)
         # When a dict, execute() stores each sampling request's fp32 logits [vocab] in it (for tests).
         self.capture_logits: dict[str, torch.Tensor] | None = None
+        self.last_logprobs: dict[int, TokenLogprobs] = {}   # of the last execute(), by row, when asked for
 
     def prepare(self, out: SchedulerOutput) -> ForwardInput:
         bs = self.block_size
@@ -100,7 +102,10 @@ class ModelRunner:
         if self.capture_logits is not None:
             for req, row in zip(reqs, logits):
                 self.capture_logits[req.request_id] = row.clone()
-        tokens = self.sampler.sample(logits, [r.request_id for r in reqs], [r.params for r in reqs])
+        params = [r.params for r in reqs]
+        tokens = self.sampler.sample(logits, [r.request_id for r in reqs], params)
+        self.last_logprobs = {row: lp for row, lp in zip(inp.sample_rows, logprobs(logits, tokens, params))
+                              if lp is not None}
         return dict(zip(inp.sample_rows, tokens))
 
 

@@ -11,6 +11,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None
     error: str | None = None     # why the engine gave up on the request (finish_reason "abort")
+    # with SamplingParams.logprobs: per token, {token id: logprob} for it and the most likely alternatives
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass

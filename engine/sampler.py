@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from engine.sampling_params import SamplingParams
+from ipc.outputs import TokenLogprobs
 
 
 class Sampler:
@@ -47,6 +48,23 @@ class Sampler:
         for i, token in zip(rows, _invert_cdf(probs, u)):
             out[i] = token
         return out
+
+
+def logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list[TokenLogprobs | None]:
+    """For rows whose params ask for logprobs: log_softmax of the row's logits (fp32, before temperature
+    and truncation) at the sampled token, and the params.logprobs largest; None for the other rows."""
+    out: list[TokenLogprobs | None] = [None] * len(tokens)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return out
+    lp = logits[rows].float().log_softmax(-1)                                   # [R, vocab]
+    k = max(params[i].logprobs for i in rows)
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows])).squeeze(1).tolist()
+    for j, i in enumerate(rows):
+        n = params[i].logprobs
+        out[i] = TokenLogprobs(tokens[i], chosen[j], top_i[j, :n].tolist(), top_v[j, :n].tolist())
+    return out
 
 
 def _truncate(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -4,6 +4,9 @@ from __future__ import annotations
 import msgspec
 
 
+MAX_LOGPROBS = 20
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     """How to pick tokens and when to stop.
 
@@ -19,6 +22,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None   # report each token's logprob and this many most likely alternatives
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -40,6 +44,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError("stop: at most 64 stop strings of at most 1024 characters")
         if any(not s for s in self.stop):
             raise ValueError("stop: empty stop strings are not allowed")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
 

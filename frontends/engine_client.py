@@ -233,13 +233,14 @@ class EngineClient:
                  cache_salt: str | None = None) -> RequestOutput:
         """Run one request to the end; return its whole output."""
         async def run():
-            text, ids, last = "", [], None
+            text, ids, lps, last = "", [], [], None
             async for out in self._client.generate(prompt_token_ids, params, adapter, cache_salt):
                 text += out.text
                 ids += out.token_ids
+                lps += out.logprobs
                 last = out
             return RequestOutput(last.request_id, ids, text, last.finish_reason, last.prompt_tokens,
-                                 last.completion_tokens, last.cached_tokens)
+                                 last.completion_tokens, last.cached_tokens, logprobs=lps)
         return self._call(run())
 
     def stream(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None) -> Iterator[RequestOutput]:

@@ -97,7 +97,7 @@ class OpenAIServer:
         if len(ids) >= limit:
             raise ApiError(400, f"the prompt is {len(ids)} tokens; this model's context is {limit} tokens",
                            "messages" if chat else "prompt", "context_length_exceeded")
-        params = oai.sampling_params(body, default_max_tokens=None if chat else 16)
+        params = oai.sampling_params(body, default_max_tokens=None if chat else 16, chat=chat)
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             raise ApiError(400, "'cache_salt' must be a string", "cache_salt")
@@ -108,12 +108,21 @@ class OpenAIServer:
         if stream:
             return await self.stream(request, gen, rid, model, chat, oai.stream_options(body), adapter)
         start = time.monotonic()
-        out = None
+        out, text, entries = None, "", []
         async for out in gen:
-            pass
+            text += out.text
+            entries += out.logprobs
         self.observe(adapter, out.finish_reason, start)
         use = oai.usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
-        return web.json_response(oai.completion_response(rid, model, out.text, _finish(out.finish_reason), chat, use))
+        lps = self.logprobs(entries, chat, 0) if params.logprobs is not None else None
+        return web.json_response(oai.completion_response(rid, model, text, _finish(out.finish_reason), chat, use, lps))
+
+    def logprobs(self, entries, chat: bool, offset: int) -> dict:
+        piece = self.token_text
+        return oai.chat_logprobs(entries, piece) if chat else oai.completion_logprobs(entries, piece, offset)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     async def stream(self, request, gen, rid, model, chat, include_usage, adapter) -> web.StreamResponse:
         start = time.monotonic()
@@ -124,7 +133,7 @@ class OpenAIServer:
             raise ApiError(500, "the engine returned no output") from None
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        last_t, out, n = None, first, 0
+        last_t, out, n, sent = None, first, 0, 0
         try:
             while True:
                 now = time.monotonic()
@@ -133,9 +142,12 @@ class OpenAIServer:
                 else:
                     metrics.ITL.observe(now - last_t)
                 last_t = now
-                if out.text or out.finish_reason or n == 0:
-                    chunk = oai.completion_chunk(rid, model, out.text, _finish(out.finish_reason), chat, first=n == 0)
+                if out.text or out.finish_reason or n == 0 or out.logprobs:
+                    lps = self.logprobs(out.logprobs, chat, sent) if out.logprobs else None
+                    chunk = oai.completion_chunk(rid, model, out.text, _finish(out.finish_reason), chat, first=n == 0,
+                                                 logprobs=lps)
                     await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                    sent += sum(len(self.token_text(e.token_id)) for e in out.logprobs)
                 n += 1
                 if out.finish_reason is not None:
                     break

@@ -4,7 +4,8 @@ from __future__ import annotations
 import time
 import uuid
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from ipc.outputs import TokenLogprobs
 
 
 class ApiError(Exception):
@@ -39,7 +40,46 @@ def _names(types) -> str:
                         dict: "object"}[t] for t in types)
 
 
-def sampling_params(body: dict, default_max_tokens: int | None) -> SamplingParams:
+def logprobs_field(body: dict, chat: bool) -> int | None:
+    """How many alternatives per token to report (0: the token's own logprob only), or None for no
+    logprobs. Completions: `logprobs` (integer); chat: `logprobs` (boolean) with `top_logprobs`."""
+    if not chat:
+        n = field(body, "logprobs", int, None)
+        top = "logprobs"
+    else:
+        n = 0 if field(body, "logprobs", bool, False) else None
+        k = field(body, "top_logprobs", int, None)
+        if k is not None and n is None:
+            raise ApiError(400, "'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+        n, top = (k if k is not None else n), "top_logprobs"
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise ApiError(400, f"'{top}' must be between 0 and {MAX_LOGPROBS}, got {n}", top)
+    return n
+
+
+def completion_logprobs(entries: list[TokenLogprobs], piece, offset: int) -> dict:
+    """The legacy completions `logprobs` object; piece(id) -> the token's text; offset: characters of
+    completion text before these tokens."""
+    tokens, offsets = [], []
+    for e in entries:
+        tokens.append(piece(e.token_id))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{piece(i): v for i, v in zip(e.top_ids, e.top_logprobs)} for e in entries],
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[TokenLogprobs], piece) -> dict:
+    """The chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}, ...]}."""
+    def one(i: int, v: float) -> dict:
+        s = piece(i)
+        return {"token": s, "logprob": v, "bytes": list(s.encode())}
+    return {"content": [{**one(e.token_id, e.logprob),
+                         "top_logprobs": [one(i, v) for i, v in zip(e.top_ids, e.top_logprobs)]} for e in entries]}
+
+
+def sampling_params(body: dict, default_max_tokens: int | None, chat: bool = False) -> SamplingParams:
     """The sampling fields of a completions or chat body."""
     stop = field(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
@@ -52,7 +92,8 @@ def sampling_params(body: dict, default_max_tokens: int | None) -> SamplingParam
     kw = dict(temperature=float(field(body, "temperature", (int, float), 1.0)),
               top_p=float(field(body, "top_p", (int, float), 1.0)), top_k=field(body, "top_k", int, -1),
               seed=field(body, "seed", int, None), max_tokens=max_tokens, stop=stop,
-              stop_token_ids=field(body, "stop_token_ids", list, []), ignore_eos=field(body, "ignore_eos", bool, False))
+              stop_token_ids=field(body, "stop_token_ids", list, []), ignore_eos=field(body, "ignore_eos", bool, False),
+              logprobs=logprobs_field(body, chat))
     try:
         return SamplingParams(**kw)
     except ValueError as e:
@@ -107,21 +148,23 @@ def usage(prompt: int, completion: int, cached: int = 0) -> dict:
     return u
 
 
-def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: bool, first: bool = False) -> dict:
+def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: bool, first: bool = False,
+                     logprobs: dict | None = None) -> dict:
     if chat:
         delta = {"role": "assistant", "content": text} if first else {"content": text}
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
                 "choices": [choice]}
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]}
 
 
-def completion_response(rid: str, model: str, text: str, finish: str | None, chat: bool, use: dict) -> dict:
+def completion_response(rid: str, model: str, text: str, finish: str | None, chat: bool, use: dict,
+                        logprobs: dict | None = None) -> dict:
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                  "logprobs": None}
+                  "logprobs": logprobs}
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
                 "choices": [choice], "usage": use}
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}], "usage": use}
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}], "usage": use}

@@ -6,6 +6,15 @@ import msgspec
 _STRUCT = dict(array_like=True, omit_defaults=True, gc=False, tag_field="t")
 
 
+class TokenLogprobs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Log-probabilities (natural log, of the model's distribution before temperature or truncation) of
+    one generated token and of the `top` most likely tokens at its position, most likely first."""
+    token_id: int
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class RequestOutput(msgspec.Struct, tag="out", **_STRUCT):
     """New tokens and the stable text they completed since the last output of this request.
     `finish_reason` is set on the last one ("stop", "length" or "abort"); `error` on a refused request."""
@@ -18,6 +27,7 @@ class RequestOutput(msgspec.Struct, tag="out", **_STRUCT):
     cached_tokens: int = 0
     error: str | None = None
     status: int = 0          # with `error`: the HTTP status it maps to (400 bad input, 404 unknown adapter)
+    logprobs: list[TokenLogprobs] = []   # one per token of token_ids, when the request asked for logprobs
 
 
 class AdapterReply(msgspec.Struct, tag="adapter", **_STRUCT):

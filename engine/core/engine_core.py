@@ -164,8 +164,10 @@ class EngineCore:
         for row, token in sampled.items():
             req = out.requests[row]
             done = id(req) in finished
+            lp = self.runner.last_logprobs.get(row)
             results.append(TokenOutput(req.request_id, [token], req.finish_reason.value if done else None,
-                                       req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_tokens))
+                                       req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_tokens,
+                                       [lp] if lp is not None else []))
             if done:
                 self.requests.pop(req.request_id, None)
                 self.runner.sampler.forget(req.request_id)

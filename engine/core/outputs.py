@@ -11,3 +11,4 @@ class TokenOutput(NamedTuple):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    logprobs: list = []          # TokenLogprobs per new token, when the request asked for them

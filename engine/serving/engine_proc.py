@@ -253,6 +253,7 @@ class AsyncEngine:
         if acc is None:
             acc = self.pending[d.request_id] = RequestOutput(d.request_id)
         acc.token_ids = acc.token_ids + d.token_ids
+        acc.logprobs = acc.logprobs + d.logprobs
         acc.text += d.text
         acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens = d.prompt_tokens, d.completion_tokens, d.cached_tokens
         acc.finish_reason, acc.error, acc.status = d.finish_reason, d.error, d.status

@@ -41,3 +41,21 @@ def test_prefix_cache_hit_gives_the_same_tokens(small_llm):
     assert hit.token_ids == miss.token_ids
     assert llm.engine.pool.prefix_hits >= 1
     assert_pool_idle(llm)
+
+
+def test_logprobs_match_transformers(small_llm, hf_model, tokenizer):
+    """Each generated token's logprob and the top alternatives: log_softmax of transformers' logits."""
+    import torch
+    ids = tokenizer("The capital of France is")["input_ids"]
+    out = small_llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, logprobs=3))[0]
+    assert len(out.outputs[0].logprobs) == len(out.token_ids) == 4
+    seq = ids + out.token_ids
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([seq])).logits[0].float().log_softmax(-1)      # [len, vocab]
+    for i, (tok, got) in enumerate(zip(out.token_ids, out.outputs[0].logprobs)):
+        row = ref[len(ids) - 1 + i]
+        top_v, top_i = row.topk(3)
+        assert set(got) == {tok, *top_i.tolist()}
+        for t, v in got.items():
+            assert abs(v - float(row[t])) < 1e-3, (i, t)
+    assert small_llm.generate([ids], SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].logprobs is None

@@ -68,3 +68,19 @@ def test_invert_cdf_never_returns_zero_probability_tokens():
     u = torch.stack([u[:50], u[50:]], 1).flatten()
     out = _invert_cdf(probs, u)
     assert set(out[0::2]) == {1} and set(out[1::2]) == {3}
+
+
+def test_logprobs_of_sampled_token_and_top_alternatives():
+    from engine.sampler import logprobs
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g).to(torch.bfloat16)
+    params = [SamplingParams(temperature=0, logprobs=4), SamplingParams(temperature=0),
+              SamplingParams(temperature=0.5, logprobs=0)]
+    out = logprobs(logits, [7, 3, 11], params)
+    ref = logits.float().log_softmax(-1)
+    assert out[1] is None
+    assert out[0].token_id == 7 and abs(out[0].logprob - float(ref[0, 7])) < 1e-6
+    assert out[0].top_ids == ref[0].topk(4).indices.tolist() and out[0].top_logprobs == sorted(out[0].top_logprobs, reverse=True)
+    assert out[2].top_ids == [] and abs(out[2].logprob - float(ref[2, 11])) < 1e-6   # before temperature
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=21)

@@ -39,6 +39,32 @@ def test_completions_chat_and_streaming_with_openai_client(client):
     assert same.choices[0].message.content == text
 
 
+def test_logprobs_completions_and_chat_streamed_or_not(client):
+    kw = dict(model=BASE, prompt="The capital of France is", max_tokens=5, temperature=0)
+    c = client.completions.create(logprobs=3, **kw).choices[0]
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+    assert "".join(lp.tokens) == c.text and lp.text_offset[0] == 0
+    for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert v <= 0 and len(top) <= 3 and max(top.values()) >= v - 1e-6
+        assert top.get(tok, v) == pytest.approx(v, abs=1e-5)      # greedy: the token is the most likely
+    streamed = [ch.choices[0].logprobs for ch in client.completions.create(logprobs=3, stream=True, **kw)
+                if ch.choices and ch.choices[0].logprobs]
+    assert [t for s in streamed for t in s.tokens] == lp.tokens
+    assert [o for s in streamed for o in s.text_offset] == lp.text_offset
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=BASE, messages=msgs, max_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=2).choices[0]
+    content = chat.logprobs.content
+    assert len(content) == 6 and "".join(t.token for t in content) == chat.message.content
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in content)
+    assert all(bytes(t.bytes) == t.token.encode() for t in content)
+    plain = client.chat.completions.create(model=BASE, messages=msgs, max_tokens=2, temperature=0).choices[0]
+    assert plain.logprobs is None
+    with pytest.raises(openai.BadRequestError, match="top_logprobs"):
+        client.chat.completions.create(model=BASE, messages=msgs, max_tokens=2, top_logprobs=2)
+
+
 def test_model_is_an_adapter_name(client):
     models = {m.id for m in client.models.list().data}
     assert {BASE, "r4-qv", "r8-all", "r16-attn"} <= models
@@ -103,6 +129,7 @@ def test_client_disconnect_frees_its_request(server):
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "max_tokens": -3}', "max_tokens"),
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "top_p": 7}', "top_p"),
     ('{"model": "SmolLM2-135M-Instruct", "prompt": [1, "x"]}', "prompt"),
+    ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "logprobs": 50}', "logprobs"),
     ('[1, 2, 3]', None),
 ])
 def test_malformed_bodies_get_400_and_the_server_keeps_serving(server, client, body, field):
