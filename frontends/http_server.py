@@ -13,15 +13,67 @@ import signal
 import sys
 import time
 
+import msgspec
 from aiohttp import web
 
 from engine import envs, metrics
+from engine.sampling_params import SamplingParams
 from engine.tokenizer import encode_chat, load_tokenizer
 from frontends import openai_protocol as oai
 from frontends.engine_client import AsyncEngineClient, EngineError
 from frontends.openai_protocol import ApiError
 
 log = logging.getLogger("loraplex.http")
+
+
+def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
+    """Choice i of n: with a seed, seed + i, so the choices differ and each is reproducible."""
+    if i == 0 or params.seed is None:
+        return params
+    return msgspec.structs.replace(params, seed=(params.seed + i) % 2 ** 63)
+
+
+class Merged:
+    """The outputs of several request streams (the `n` choices of one API call) as they come:
+    (choice index, output). Errors of any stream are raised; aclose() stops and aborts them all."""
+
+    def __init__(self, gens: list):
+        self.gens = gens
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.ended = 0
+        self.tasks = [asyncio.create_task(self._pump(i, g)) for i, g in enumerate(gens)]
+
+    def __len__(self) -> int:
+        return len(self.gens)
+
+    async def _pump(self, i: int, gen) -> None:
+        try:
+            async for out in gen:
+                self.queue.put_nowait((i, out, None))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            self.queue.put_nowait((i, None, e))
+        else:
+            self.queue.put_nowait((i, None, None))     # this stream ended
+
+    def __aiter__(self) -> "Merged":
+        return self
+
+    async def __anext__(self):
+        while self.ended < len(self.gens):
+            i, out, err = await self.queue.get()
+            if err is not None:
+                raise err
+            if out is not None:
+                return i, out
+            self.ended += 1
+        raise StopAsyncIteration
+
+    async def aclose(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        for g in self.gens:
+            await g.aclose()
 
 
 class OpenAIServer:
@@ -101,21 +153,32 @@ class OpenAIServer:
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             raise ApiError(400, "'cache_salt' must be a string", "cache_salt")
+        n = oai.choice_count(body)
         stream = oai.field(body, "stream", bool, False)
         rid = oai.new_id("chatcmpl" if chat else "cmpl")
         model = body["model"]
-        gen = self.client.generate(ids, params, adapter, salt, stream=stream, request_id=rid)
+        gens = Merged([self.client.generate(ids, _choice_params(params, i), adapter, salt, stream=stream,
+                                            request_id=rid if n == 1 else f"{rid}-{i}") for i in range(n)])
         if stream:
-            return await self.stream(request, gen, rid, model, chat, oai.stream_options(body), adapter)
+            return await self.stream(request, gens, rid, model, chat, oai.stream_options(body), adapter)
         start = time.monotonic()
-        out, text, entries = None, "", []
-        async for out in gen:
-            text += out.text
-            entries += out.logprobs
-        self.observe(adapter, out.finish_reason, start)
-        use = oai.usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)
-        lps = self.logprobs(entries, chat, 0) if params.logprobs is not None else None
-        return web.json_response(oai.completion_response(rid, model, text, _finish(out.finish_reason), chat, use, lps))
+        texts, entries, finals = [""] * n, [[] for _ in range(n)], [None] * n
+        try:
+            async for i, out in gens:
+                texts[i] += out.text
+                entries[i] += out.logprobs
+                if out.finish_reason is not None:
+                    finals[i] = out
+                    self.observe(adapter, out.finish_reason, start)
+                    if all(finals):
+                        break
+        finally:
+            await gens.aclose()
+        use = oai.usage(finals[0].prompt_tokens, sum(o.completion_tokens for o in finals),
+                        max(o.cached_tokens for o in finals))
+        choices = [(texts[i], _finish(finals[i].finish_reason),
+                    self.logprobs(entries[i], chat, 0) if params.logprobs is not None else None) for i in range(n)]
+        return web.json_response(oai.completion_response(rid, model, choices, chat, use))
 
     def logprobs(self, entries, chat: bool, offset: int) -> dict:
         piece = self.token_text
@@ -124,16 +187,20 @@ class OpenAIServer:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    async def stream(self, request, gen, rid, model, chat, include_usage, adapter) -> web.StreamResponse:
+    async def stream(self, request, gens: "Merged", rid, model, chat, include_usage, adapter) -> web.StreamResponse:
+        """Server-sent events: each output of choice i becomes a chunk with index i; usage (summed over
+        the choices) and [DONE] after the last choice finishes."""
         start = time.monotonic()
         # the first output decides the status: an engine error before any token is a plain JSON error
         try:
-            first = await gen.__anext__()
-        except StopAsyncIteration:
-            raise ApiError(500, "the engine returned no output") from None
+            i, out = await gens.__anext__()
+        except BaseException:
+            await gens.aclose()
+            raise
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        last_t, out, n, sent = None, first, 0, 0
+        n = len(gens)
+        last_t, started, sent, finals = None, [False] * n, [0] * n, [None] * n
         try:
             while True:
                 now = time.monotonic()
@@ -142,30 +209,33 @@ class OpenAIServer:
                 else:
                     metrics.ITL.observe(now - last_t)
                 last_t = now
-                if out.text or out.finish_reason or n == 0 or out.logprobs:
-                    lps = self.logprobs(out.logprobs, chat, sent) if out.logprobs else None
-                    chunk = oai.completion_chunk(rid, model, out.text, _finish(out.finish_reason), chat, first=n == 0,
-                                                 logprobs=lps)
+                if out.text or out.finish_reason or not started[i] or out.logprobs:
+                    lps = self.logprobs(out.logprobs, chat, sent[i]) if out.logprobs else None
+                    chunk = oai.completion_chunk(rid, model, out.text, _finish(out.finish_reason), chat,
+                                                 first=not started[i], logprobs=lps, index=i)
                     await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                    sent += sum(len(self.token_text(e.token_id)) for e in out.logprobs)
-                n += 1
+                    started[i] = True
+                    sent[i] += sum(len(self.token_text(e.token_id)) for e in out.logprobs)
                 if out.finish_reason is not None:
-                    break
-                out = await gen.__anext__()
+                    finals[i] = out
+                    self.observe(adapter, out.finish_reason, start)
+                    if all(finals):
+                        break
+                i, out = await gens.__anext__()
             if include_usage:
+                use = oai.usage(finals[0].prompt_tokens, sum(o.completion_tokens for o in finals),
+                                max(o.cached_tokens for o in finals))
                 chunk = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                         "created": int(time.time()), "model": model, "choices": [],
-                         "usage": oai.usage(out.prompt_tokens, out.completion_tokens, out.cached_tokens)}
+                         "created": int(time.time()), "model": model, "choices": [], "usage": use}
                 await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
-            self.observe(adapter, out.finish_reason, start)
         except EngineError as e:
             await resp.write(b"data: " + json.dumps(ApiError(e.status, str(e)).body()).encode() + b"\n\n")
         except (ConnectionResetError, asyncio.CancelledError):
             log.info("client of %s went away; aborting it", rid)
             raise
         finally:
-            await gen.aclose()          # aborts the request in the engine if it is still running
+            await gens.aclose()          # aborts the requests in the engine that are still running
         return resp
 
     def observe(self, adapter: str | None, finish: str | None, start: float) -> None:

@@ -86,9 +86,6 @@ def sampling_params(body: dict, default_max_tokens: int | None, chat: bool = Fal
     if not all(isinstance(s, str) for s in stop):
         raise ApiError(400, "'stop' must be a string or an array of strings", "stop")
     max_tokens = field(body, "max_completion_tokens", int, None) or field(body, "max_tokens", int, default_max_tokens)
-    n = field(body, "n", int, 1)
-    if n != 1:
-        raise ApiError(400, "'n' other than 1 is not supported", "n")
     kw = dict(temperature=float(field(body, "temperature", (int, float), 1.0)),
               top_p=float(field(body, "top_p", (int, float), 1.0)), top_k=field(body, "top_k", int, -1),
               seed=field(body, "seed", int, None), max_tokens=max_tokens, stop=stop,
@@ -99,6 +96,17 @@ def sampling_params(body: dict, default_max_tokens: int | None, chat: bool = Fal
     except ValueError as e:
         param = next((f for f in kw if str(e).startswith(f)), None)
         raise ApiError(400, str(e), param) from None
+
+
+MAX_CHOICES = 16
+
+
+def choice_count(body: dict) -> int:
+    """`n`: how many completions to generate for the prompt (each its own engine request)."""
+    n = field(body, "n", int, 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise ApiError(400, f"'n' must be between 1 and {MAX_CHOICES}, got {n}", "n")
+    return n
 
 
 def stream_options(body: dict) -> bool:
@@ -149,22 +157,23 @@ def usage(prompt: int, completion: int, cached: int = 0) -> dict:
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: bool, first: bool = False,
-                     logprobs: dict | None = None) -> dict:
+                     logprobs: dict | None = None, index: int = 0) -> dict:
     if chat:
         delta = {"role": "assistant", "content": text} if first else {"content": text}
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
                 "choices": [choice]}
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}]}
+            "choices": [{"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}]}
 
 
-def completion_response(rid: str, model: str, text: str, finish: str | None, chat: bool, use: dict,
-                        logprobs: dict | None = None) -> dict:
+def completion_response(rid: str, model: str, choices: list[tuple[str, str | None, dict | None]], chat: bool,
+                        use: dict) -> dict:
+    """choices: (text, finish_reason, logprobs object or None) per choice, in index order."""
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                  "logprobs": logprobs}
         return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": [choice], "usage": use}
+                "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                             "logprobs": lps} for i, (text, finish, lps) in enumerate(choices)], "usage": use}
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}], "usage": use}
+            "choices": [{"index": i, "text": text, "finish_reason": finish, "logprobs": lps}
+                        for i, (text, finish, lps) in enumerate(choices)], "usage": use}

@@ -65,6 +65,27 @@ def test_logprobs_completions_and_chat_streamed_or_not(client):
         client.chat.completions.create(model=BASE, messages=msgs, max_tokens=2, top_logprobs=2)
 
 
+def test_n_choices_streamed_or_not(client):
+    kw = dict(model=BASE, prompt="Once upon a time", max_tokens=6, temperature=1.0, seed=11, n=3)
+    out = client.completions.create(**kw)
+    assert [c.index for c in out.choices] == [0, 1, 2] and out.usage.completion_tokens == 18
+    assert len({c.text for c in out.choices}) > 1, "seeds seed, seed + 1, ... give different samples"
+    again = client.completions.create(**kw)
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+    texts = ["", "", ""]
+    usage = None
+    for ch in client.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+        for c in ch.choices:
+            texts[c.index] += c.text
+        usage = ch.usage or usage
+    assert texts == [c.text for c in out.choices] and usage.completion_tokens == 18
+    msgs = [{"role": "user", "content": "Say hi"}]
+    chat = client.chat.completions.create(model=BASE, messages=msgs, max_tokens=4, temperature=0, n=2)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+    with pytest.raises(openai.BadRequestError, match="'n'"):
+        client.completions.create(model=BASE, prompt="Hi", max_tokens=2, n=17)
+
+
 def test_model_is_an_adapter_name(client):
     models = {m.id for m in client.models.list().data}
     assert {BASE, "r4-qv", "r8-all", "r16-attn"} <= models
