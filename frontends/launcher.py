@@ -85,7 +85,7 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
     port = port or free_port(host)
     py = sys.executable
     engine_argv = [py, "-m", "engine.serving.engine_proc", "--address", address,
-                   "--engine-args", json.dumps(engine_kwargs)]
+                   "--engine-args", json.dumps(engine_kwargs), "--state-file", str(run_dir / "adapters.json")]
     if adapter_dir:
         engine_argv += ["--adapter-dir", adapter_dir]
     engine = Child("engine", engine_argv, env)

@@ -30,6 +30,7 @@ from engine.core.engine_core import EngineCore
 from engine.output_processor import OutputProcessor
 from engine.request import FinishReason
 from engine.serving.adapter_dir import resolve_adapter_dir
+from engine.serving.adapter_journal import AdapterJournal
 from engine.serving.engine_stats import EngineStatsPublisher
 from ipc.outputs import AdapterReply, EngineStatus, RequestOutput, encode_outputs
 from ipc.requests import AbortRequest, AdapterCommand, GenerateRequest, Hello, decode_request
@@ -39,10 +40,11 @@ FRONTEND_TIMEOUT = 5.0
 
 
 class AsyncEngine:
-    def __init__(self, engine_kwargs: dict, address: str, adapter_dir: str | None):
+    def __init__(self, engine_kwargs: dict, address: str, adapter_dir: str | None, state_file: str | None = None):
         self.kwargs = engine_kwargs
         self.address = address
         self.adapter_dir = adapter_dir
+        self.journal = AdapterJournal(state_file) if state_file else None
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="loraplex-engine")
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.send_q: asyncio.Queue = asyncio.Queue()
@@ -69,10 +71,22 @@ class AsyncEngine:
             from engine.cli import register_adapter_dir
             names = await self._run(register_adapter_dir, self.core, self.adapter_dir)
             log.info("registered %d adapters from %s", len(names), self.adapter_dir)
+        if self.journal is not None:
+            await self._restore_adapters()
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.sock.bind(self.address)
+
+    async def _restore_adapters(self) -> None:
+        """Register again the adapters loaded at run time before a restart (the journal's order)."""
+        for e in list(self.journal.entries.values()):
+            try:
+                await self._run(self.core.register_adapter, e["name"], e["path"], e["pinned"])
+                log.info("registered adapter %r again (loaded before the restart)", e["name"])
+            except (ValueError, LookupError, OSError) as err:
+                log.warning("adapter %r loaded before the restart cannot be registered again: %s", e["name"], err)
+                self.journal.unloaded(e["name"])
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
@@ -213,8 +227,12 @@ class AsyncEngine:
                 if not path:
                     raise ValueError("lora_path is required (the server has no --adapter-dir)")
                 await self._run(self.core.register_adapter, cmd.name, path, cmd.pinned)
+                if self.journal is not None:
+                    self.journal.loaded(cmd.name, path, cmd.pinned)
             elif cmd.op == "unload":
                 self.core.unregister_adapter(cmd.name)
+                if self.journal is not None:
+                    self.journal.unloaded(cmd.name)
             elif cmd.op != "list":
                 raise ValueError(f"unknown adapter op {cmd.op!r}")
         except (ValueError, LookupError, OSError) as e:
@@ -280,10 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", required=True)
     p.add_argument("--engine-args", required=True, help="JSON object of EngineConfig keyword arguments")
     p.add_argument("--adapter-dir", default=None)
+    p.add_argument("--state-file", default=None, help="JSON journal of adapters loaded at run time "
+                   "(registered again when a restarted engine starts)")
     args = p.parse_args(argv)
     logging.basicConfig(level=envs.log_level(), format="%(asctime)s engine %(levelname)s %(message)s")
     import uvloop
-    engine = AsyncEngine(json.loads(args.engine_args), args.address, args.adapter_dir)
+    engine = AsyncEngine(json.loads(args.engine_args), args.address, args.adapter_dir, args.state_file)
 
     async def run():
         loop = asyncio.get_running_loop()

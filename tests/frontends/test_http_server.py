@@ -254,15 +254,20 @@ def test_engine_unavailable_gives_503_then_recovers(server, client):
     assert client.completions.create(model=BASE, prompt="Hi", max_tokens=2).choices[0].text is not None
 
 
-def test_kill_9_of_the_engine_loses_no_in_flight_request(server, client):
-    """Runs last in this module: the engine comes back with the --adapter-dir adapters only, and the
-    stream that was running when it died carries on to its full length (resent as prompt + tokens so far)."""
+def test_kill_9_of_the_engine_loses_no_in_flight_request(server, client, served_adapters):
+    """Runs last in this module: the engine comes back with the --adapter-dir adapters and those loaded
+    over HTTP (its journal), and the stream that was running when it died, on an adapter loaded over
+    HTTP, carries on to its full length (resent as prompt + tokens so far)."""
     import os
     import re
     import signal
+    _, src = served_adapters
+    r = requests.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "tenant-x", "lora_path": str(src / "r8-all")},
+                      headers=AUTH)
+    assert r.status_code == 200, r.text
     pid = int(re.search(r"engine pid (\d+)", "".join(server.lines)).group(1))
     n = 40
-    body = {"model": "r4-qv", "prompt": "An endless story:", "max_tokens": n, "temperature": 0,
+    body = {"model": "tenant-x", "prompt": "An endless story:", "max_tokens": n, "temperature": 0,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     with requests.post(server.url + "/v1/completions", json=body, headers=AUTH, stream=True, timeout=300) as r:
         lines = r.iter_lines()
@@ -277,5 +282,6 @@ def test_kill_9_of_the_engine_loses_no_in_flight_request(server, client):
     assert "".join(e["choices"][0]["text"] for e in events if e["choices"])
     assert "engine restarted" in "".join(server.lines)
     assert wait_until(lambda: requests.get(server.url + "/health").status_code == 200, timeout=30)
-    out = client.completions.create(model="r8-all", prompt="Hello", max_tokens=3, temperature=0)
+    assert "tenant-x" in {m.id for m in client.models.list().data}
+    out = client.completions.create(model="tenant-x", prompt="Hello", max_tokens=3, temperature=0)
     assert out.usage.completion_tokens == 3
