@@ -48,27 +48,49 @@ static inline __m512 load_bf16x16(const uint16_t *p) {
 }
 
 /* head_dim 64, at most 4 query heads per KV head: acc[g, :] += sum_t p[g, t] * v[t, :] over n tokens of
- * one block, the G x 64 accumulators kept in registers. p: G rows at p_stride; v rows at v_stride. */
+ * one block, the G x 64 accumulators kept in registers. p: G rows at p_stride; v rows at v_stride.
+ * Two tokens per vdpbf16ps: p is rounded to bf16 (as flash attention does for its P @ V product) and
+ * paired (p[t], p[t+1]); the two V rows are interleaved by 16-bit unpacks, which leaves the accumulator's
+ * dims in the order of `unpermute_d64` (applied once per sequence, after the last block). */
 static inline void pv_bf16_d64(float *acc, const float *p, int64_t p_stride, const uint16_t *v, int64_t v_stride,
                                int n, int G) {
     __m512 a[4][4];
     for (int g = 0; g < 4; g++)
         for (int c = 0; c < 4; c++) a[g][c] = g < G ? _mm512_loadu_ps(acc + g * 64 + c * 16) : _mm512_setzero_ps();
-    for (int t = 0; t < n; t++) {
-        const uint16_t *vr = v + t * v_stride;
-        const __m512 v0 = load_bf16x16(vr), v1 = load_bf16x16(vr + 16), v2 = load_bf16x16(vr + 32),
-                     v3 = load_bf16x16(vr + 48);
-        for (int g = 0; g < 4; g++) {
-            if (g >= G) break;
-            const __m512 pg = _mm512_set1_ps(p[g * p_stride + t]);
-            a[g][0] = _mm512_fmadd_ps(pg, v0, a[g][0]);
-            a[g][1] = _mm512_fmadd_ps(pg, v1, a[g][1]);
-            a[g][2] = _mm512_fmadd_ps(pg, v2, a[g][2]);
-            a[g][3] = _mm512_fmadd_ps(pg, v3, a[g][3]);
+    for (int t0 = 0; t0 < n; t0 += 16) {
+        const int m = n - t0 < 16 ? n - t0 : 16;
+        uint32_t pairs[4][8];
+        for (int g = 0; g < G; g++)   /* 16 probabilities -> 8 (p[t], p[t+1]) bf16 pairs, zero past n */
+            _mm256_storeu_si256((__m256i *)pairs[g], (__m256i)_mm512_cvtneps_pbh(
+                _mm512_maskz_loadu_ps((__mmask16)((1u << m) - 1), p + g * p_stride + t0)));
+        for (int t = 0; t < m; t += 2) {
+            const uint16_t *r0 = v + (int64_t)(t0 + t) * v_stride;
+            const __m512i x0 = _mm512_loadu_si512(r0), x1 = _mm512_loadu_si512(r0 + 32);
+            __m512i y0 = _mm512_setzero_si512(), y1 = y0;
+            if (t + 1 < m) { y0 = _mm512_loadu_si512(r0 + v_stride); y1 = _mm512_loadu_si512(r0 + v_stride + 32); }
+            const __m512bh w0 = (__m512bh)_mm512_unpacklo_epi16(x0, y0), w1 = (__m512bh)_mm512_unpackhi_epi16(x0, y0),
+                           w2 = (__m512bh)_mm512_unpacklo_epi16(x1, y1), w3 = (__m512bh)_mm512_unpackhi_epi16(x1, y1);
+            for (int g = 0; g < 4; g++) {
+                if (g >= G) break;
+                const __m512bh pg = (__m512bh)_mm512_set1_epi32((int)pairs[g][t / 2]);
+                a[g][0] = _mm512_dpbf16_ps(a[g][0], w0, pg);
+                a[g][1] = _mm512_dpbf16_ps(a[g][1], w1, pg);
+                a[g][2] = _mm512_dpbf16_ps(a[g][2], w2, pg);
+                a[g][3] = _mm512_dpbf16_ps(a[g][3], w3, pg);
+            }
         }
     }
     for (int g = 0; g < G; g++)
         for (int c = 0; c < 4; c++) _mm512_storeu_ps(acc + g * 64 + c * 16, a[g][c]);
+}
+
+/* the accumulator order of pv_bf16_d64 back to dims 0..63: vector c lane l holds dim
+ * 32 * (c / 2) + 8 * (l / 4) + 4 * (c % 2) + l % 4 */
+static inline void unpermute_d64(float *acc) {
+    float tmp[64];
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 16; l++) tmp[32 * (c / 2) + 8 * (l / 4) + 4 * (c % 2) + l % 4] = acc[c * 16 + l];
+    for (int i = 0; i < 64; i++) acc[i] = tmp[i];
 }
 #else
 static inline void scores16_bf16(const uint16_t *q, const uint16_t *k, int64_t rs, int n, int d, float scale,
@@ -78,6 +100,7 @@ static inline void scores16_bf16(const uint16_t *q, const uint16_t *k, int64_t r
 static inline void pv_bf16_d64(float *acc, const float *p, int64_t ps, const uint16_t *v, int64_t vs, int n, int G) {
     (void)acc; (void)p; (void)ps; (void)v; (void)vs; (void)n; (void)G;
 }
+static inline void unpermute_d64(float *acc) { (void)acc; }
 #define FAST_DOT_BF16 0
 #endif
 static inline void scores_f32_unused(const float *q, const float *k, int64_t rs, int n, int d, float scale,
@@ -161,6 +184,8 @@ int NAME(const T *q, T *out, const T *k, const T *v, int64_t page_stride, const 
                 }                                                                                             \
             }                                                                                                 \
         }                                                                                                     \
+        if (FAST && d == 64 && G <= 4)                                                                        \
+            for (int j = 0; j < H; j++) unpermute_d64(acc + j * d);                                           \
         for (int j = 0; j < H; j++) {                                                                         \
             const float inv = 1.f / sum[j];                                                                   \
             for (int i = 0; i < d; i++) out[((int64_t)s * H + j) * d + i] = STORE(acc[j * d + i] * inv);    \
