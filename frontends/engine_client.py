@@ -9,7 +9,7 @@ received; when a new engine incarnation greets it, each request is sent again as
 tokens, asking only for the tokens still due, and its outputs carry on as one stream (usage counted
 against the original prompt). A request is resent once: if the engine dies again while it runs (a
 request that crashes the engine must not crash it forever), it fails with 503. Greedy requests continue
-as they would have; sampled ones continue from a fresh random state.
+greedily from the tokens received; sampled ones continue from a fresh random state.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """y = x @ W^T for the base model's projections, with the weight packed once for the fastest kernel here.
 
-bf16 on a CPU with AVX512-BF16: the C GEMM of kernels/cpu/gemm.c (packed weights). Otherwise, where oneDNN has native bf16, its pre-packed
-("reordered") weights, which skip the per-call re-layout of W that `F.linear` pays (1.2-1.8x on the M=64
-decode GEMMs). Other dtypes and CPUs use `F.linear` on the plain tensor.
+bf16 on a CPU with AVX512-BF16: the C GEMM of kernels/cpu/gemm.c (packed weights). Otherwise, where
+oneDNN has native bf16, its pre-packed ("reordered") weights, which skip the per-call re-layout of W that
+`F.linear` pays (1.2-1.8x on the M=64 decode GEMMs). Other dtypes and CPUs use `F.linear`.
 """
 from __future__ import annotations
 

@@ -69,6 +69,18 @@ class Weights:
         self.outs = (ctypes.c_int64 * G)(*[b.shape[2] for b in bs])
 
 
+def _launch(fn, name: str, dtype: torch.dtype, x: torch.Tensor, y: torch.Tensor, w: Weights,
+            index: list[torch.Tensor], n: int) -> None:
+    """Call a kernel of lora_decode.c: x, y, then the token index arrays, n, then the weights' layout.
+    x: [T, in]; y: [T, sum(out_g)]; rows of both contiguous."""
+    assert x.stride(1) == 1 and y.stride(1) == 1 and x.shape[1] == w.n_in and y.shape[1] == w.width
+    assert x.dtype == y.dtype == w.a.dtype == dtype
+    rc = fn(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), *[t.data_ptr() for t in index], n,
+            w.a.data_ptr(), w.a.stride(0), w.max_rank, w.groups, w.n_in, w.b_ptrs, w.b_strides, w.outs)
+    if rc != 0:
+        raise RuntimeError(f"{name} failed with code {rc} (max rank {w.max_rank}, groups {w.groups}, in {w.n_in})")
+
+
 class LoraDecode:
     """y[t, cols of output g] += bs[g][s, :r]^T @ (a[s, :r, g] @ x[t]) for (t, s, r) in zip(tokens, slots,
     ranks), in place. tokens, slots, ranks: [n] (tokens distinct, ranks <= R). Requires supports(dtype)."""
@@ -79,16 +91,9 @@ class LoraDecode:
         self.n = len(self.tokens)
         self.fn = _fns()[dtype]
         self.dtype = dtype
+
     def __call__(self, x: torch.Tensor, y: torch.Tensor, w: Weights) -> None:
-        """x: [T, in]; y: [T, sum(out_g)]; rows of both contiguous."""
-        assert x.stride(1) == 1 and y.stride(1) == 1 and x.shape[1] == w.n_in and y.shape[1] == w.width
-        assert x.dtype == y.dtype == w.a.dtype == self.dtype
-        rc = self.fn(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), self.tokens.data_ptr(),
-                     self.slots.data_ptr(), self.ranks.data_ptr(), self.n, w.a.data_ptr(), w.a.stride(0),
-                     w.max_rank, w.groups, w.n_in, w.b_ptrs, w.b_strides, w.outs)
-        if rc != 0:
-            raise RuntimeError(f"lora_decode failed with code {rc} (max rank {w.max_rank}, groups {w.groups}, "
-                               f"in {w.n_in})")
+        _launch(self.fn, "lora_decode", self.dtype, x, y, w, [self.tokens, self.slots, self.ranks], self.n)
 
 
 class LoraSegments:
@@ -107,12 +112,5 @@ class LoraSegments:
         self.dtype = dtype
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor, w: Weights) -> None:
-        """x: [T, in]; y: [T, sum(out_g)]; rows of both contiguous."""
-        assert x.stride(1) == 1 and y.stride(1) == 1 and x.shape[1] == w.n_in and y.shape[1] == w.width
-        assert x.dtype == y.dtype == w.a.dtype == self.dtype
-        rc = self.fn(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), self.tokens.data_ptr(),
-                     self.starts.data_ptr(), self.slots.data_ptr(), self.ranks.data_ptr(), self.n, w.a.data_ptr(),
-                     w.a.stride(0), w.max_rank, w.groups, w.n_in, w.b_ptrs, w.b_strides, w.outs)
-        if rc != 0:
-            raise RuntimeError(f"lora_segments failed with code {rc} (max rank {w.max_rank}, groups {w.groups}, "
-                               f"in {w.n_in})")
+        _launch(self.fn, "lora_segments", self.dtype, x, y, w, [self.tokens, self.starts, self.slots, self.ranks],
+                self.n)
