@@ -1,7 +1,8 @@
 """Turns a SchedulerOutput into tensors, runs the model and samples.
 
 Owns the page pool's storage: one tensor [num_pages, page_elems] in the model dtype. A KV page holds
-one block for every layer, laid out [layers, 2 (K, V), block_size, kv_heads, head_dim].
+one block for every layer, laid out [layers, 2 (K, V), block]; a block is [block_size, kv_heads, head_dim]
+(row layout) or, in bf16 with the C kernels, the paired layout of kernels/cpu/paired_attention.c.
 """
 from __future__ import annotations
 
@@ -41,11 +42,18 @@ class ModelRunner:
         self.block_size = cfg.cache.block_size
         self.model = LlamaModel(m, load_weights(m))
         self.storage = huge_zeros(num_pages, page_elems(cfg), dtype=m.dtype, populate=True)
-        paged = self.storage.view(num_pages, m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim)
-        self.kv_caches = [(paged[:, i, 0], paged[:, i, 1]) for i in range(m.num_layers)]
         self.sampler = Sampler(cfg.seed)
         # else prefill and decode use SDPA over gathered blocks
         self.c_decode_attention = cpu_attention.supports(m.dtype) and cpu_attention.fits(m.num_heads, m.head_dim)
+        # bf16 K/V stored in the pairs vdpbf16ps reads (kernels/cpu/paired_attention.c)
+        self.paired_kv = self.c_decode_attention and cpu_attention.paired_supported(m.dtype, m.head_dim,
+                                                                                    self.block_size)
+        if self.paired_kv:
+            self.kv_caches = cpu_attention.paired_views(self.storage, m.num_layers, self.block_size,
+                                                        m.num_kv_heads, m.head_dim)
+        else:
+            paged = self.storage.view(num_pages, m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim)
+            self.kv_caches = [(paged[:, i, 0], paged[:, i, 1]) for i in range(m.num_layers)]
         # When a dict, execute() stores each sampling request's fp32 logits [vocab] in it (for tests).
         self.capture_logits: dict[str, torch.Tensor] | None = None
         self.last_logprobs: dict[int, TokenLogprobs] = {}   # of the last execute(), by row, when asked for
@@ -78,7 +86,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_page=torch.tensor(pages, dtype=torch.long), slot_offset=torch.tensor(offs, dtype=torch.long),
             num_decode=len(decode_lens), decode_block_tables=None, decode_lens=None, decode_mask=None,
-            prefills=prefills)
+            prefills=prefills, paired=self.paired_kv)
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])

@@ -1,7 +1,8 @@
-"""Attention over the paged KV cache (torch path for CPU).
+"""Attention over the paged KV cache: C kernels on CPU, else SDPA over gathered blocks.
 
-The cache of one layer is a view `[num_pages, block_size, kv_heads, head_dim]` of the page pool; a
-request's K/V for token t lives at page block_table[t // block_size], offset t % block_size.
+A request's K/V for token t lives at page block_table[t // block_size], offset t % block_size. The cache
+of one layer is a view `[num_pages, block_size, kv_heads, head_dim]` of the page pool (row layout), or,
+for bf16 with AVX512-BF16, the paired views of `kernels.cpu.attention.paired_views` (meta.paired).
 """
 from __future__ import annotations
 
@@ -37,11 +38,16 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None          # [D, 1, 1, max_blocks * block_size] additive, model dtype;
                                               # only for the torch path (None when the C kernel runs)
     prefills: list[PrefillSeq]
+    paired: bool = False                      # the caches are kernels.cpu.attention.paired_views (bf16):
+                                              # every token is a decode row, read by paired_attention
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              meta: AttentionMetadata) -> None:
     """k, v: [T, kv_heads, head_dim] -> the cache slots of the step's tokens."""
+    if meta.paired:
+        cpu_attention.write_kv_paired(k_cache, v_cache, k, v, meta.slot_page, meta.slot_offset)
+        return
     k_cache[meta.slot_page, meta.slot_offset] = k
     v_cache[meta.slot_page, meta.slot_offset] = v
 
@@ -60,7 +66,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """q: [T, heads, head_dim] -> out: [T, heads, head_dim]."""
     out = torch.empty_like(q)
     d = meta.num_decode
-    if d and meta.decode_mask is None:
+    if meta.paired:
+        assert not meta.prefills, "the paired layout takes every token as a decode row"
+        out[:d] = cpu_attention.paired_attention(q[:d], k_cache, v_cache, meta.decode_block_tables,
+                                                 meta.decode_lens, scale)
+    elif d and meta.decode_mask is None:
         out[:d] = cpu_attention.decode_attention(q[:d], k_cache, v_cache, meta.decode_block_tables,
                                                  meta.decode_lens, scale)
     elif d:

@@ -56,6 +56,9 @@ class CFusedOps:
 
     @staticmethod
     def write_kv(k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
+        if meta.paired:
+            write_kv(k_cache, v_cache, k, v, meta)
+            return
         elementwise.write_kv(k_cache, v_cache, k, v, meta.slot_page, meta.slot_offset)
 
 

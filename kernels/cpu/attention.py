@@ -9,7 +9,7 @@ import ctypes
 
 import torch
 
-from kernels.cpu.build import load_functions
+from kernels.cpu.build import has_avx512_bf16, load_functions
 
 _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ARGS = [_P, _P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _F]
@@ -58,3 +58,90 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if rc != 0:
         raise RuntimeError(f"paged_decode_attention failed with code {rc} (heads {h}, kv heads {kvh}, dim {d})")
     return out
+
+
+# --- the paired block layout (paired_attention.c): bf16 K/V stored as vdpbf16ps consumes them ----------
+
+_PAIRED_ARGS = _ARGS
+_WRITE_ARGS = [_P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _I64, _I, _I, _I]
+_PAIRED: dict | None | bool = False
+
+
+def _paired_fns():
+    global _PAIRED
+    if _PAIRED is False:
+        _PAIRED = None
+        if has_avx512_bf16():
+            attn = load_functions("paired_attention", {0: "paired_attention_bf16"}, _PAIRED_ARGS)
+            write = load_functions("paired_attention", {0: "write_kv_paired_bf16"}, _WRITE_ARGS)
+            if attn is not None and write is not None:
+                _PAIRED = {"attention": attn[0], "write": write[0]}
+    return _PAIRED
+
+
+
+def paired_supported(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+    """Whether the engine can keep this model's KV cache in the paired layout here."""
+    return (dtype == torch.bfloat16 and head_dim % 32 == 0 and head_dim <= 1024 and block_size % 16 == 0
+            and _paired_fns() is not None)
+
+
+def paired_views(storage: torch.Tensor, num_layers: int, block_size: int, kv_heads: int, head_dim: int):
+    """Per layer (K, V) views of the page pool [num_pages, page_elems] in the paired layout:
+    K [num_pages, kv_heads, head_dim / 2, block_size, 2] and V [num_pages, kv_heads, block_size / 2, head_dim, 2]
+    (a page holds [layers, 2, block] as in the row layout; only the order inside a block differs)."""
+    n = storage.shape[0]
+    paged = storage.view(n, num_layers, 2, block_size * kv_heads * head_dim)
+    return [(paged[:, i, 0].view(n, kv_heads, head_dim // 2, block_size, 2),
+             paged[:, i, 1].view(n, kv_heads, block_size // 2, head_dim, 2)) for i in range(num_layers)]
+
+
+def unpair(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paired views -> copies in the row layout [num_pages, block_size, kv_heads, head_dim]."""
+    n, kvh, half, bs, _ = k_cache.shape
+    k = k_cache.permute(0, 3, 1, 2, 4).reshape(n, bs, kvh, 2 * half)
+    v = v_cache.permute(0, 2, 4, 1, 3).reshape(n, bs, kvh, 2 * half)
+    return k, v
+
+
+def _check_paired(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    assert k_cache.dim() == 5, "K/V caches must be paired views"
+    n, kvh, half, bs, two = k_cache.shape
+    assert two == 2 and v_cache.shape == (n, kvh, bs // 2, 2 * half, 2), "K/V caches must be paired views"
+    assert k_cache.stride(0) == v_cache.stride(0) and k_cache[0].is_contiguous() and v_cache[0].is_contiguous()
+    assert k_cache.dtype == v_cache.dtype == torch.bfloat16
+    return kvh, 2 * half, bs, k_cache.stride(0)
+
+
+def paired_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """As decode_attention, over paired views (see paired_views): q [D, H, d] bf16 -> out [D, H, d]."""
+    kvh, d, bs, page_stride = _check_paired(k_cache, v_cache)
+    rows, h, qd = q.shape
+    assert qd == d and q.dtype == torch.bfloat16 and h % kvh == 0
+    q = q.contiguous()
+    block_tables = block_tables.to(torch.int64).contiguous()
+    lens = lens.to(torch.int64).contiguous()
+    assert block_tables.shape[0] == lens.shape[0] == rows
+    out = torch.empty_like(q)
+    rc = _paired_fns()["attention"](q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), page_stride,
+                                    block_tables.data_ptr(), block_tables.shape[1], lens.data_ptr(), rows, h, kvh, d,
+                                    bs, scale)
+    if rc != 0:
+        raise RuntimeError(f"paired_attention failed with code {rc} (heads {h}, kv heads {kvh}, dim {d}, block {bs})")
+    return out
+
+
+def write_kv_paired(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    pages: torch.Tensor, offsets: torch.Tensor) -> None:
+    """The paired-layout counterpart of elementwise.write_kv: k, v [T, kv_heads, d] (each token's row
+    contiguous) -> slot offsets[t] of page pages[t] (int64 [T], in range: not checked here)."""
+    kvh, d, bs, page_stride = _check_paired(k_cache, v_cache)
+    t = k.shape[0]
+    assert k.shape == v.shape == (t, kvh, d) and k.stride()[1:] == (d, 1) and v.stride()[1:] == (d, 1)
+    assert k.dtype == v.dtype == torch.bfloat16 and pages.dtype == offsets.dtype == torch.int64
+    assert pages.is_contiguous() and offsets.is_contiguous() and pages.shape == offsets.shape == (t,)
+    rc = _paired_fns()["write"](k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                                v_cache.data_ptr(), page_stride, pages.data_ptr(), offsets.data_ptr(), t, kvh, d, bs)
+    if rc != 0:
+        raise RuntimeError(f"write_kv_paired failed with code {rc}")

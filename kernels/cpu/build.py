@@ -34,6 +34,11 @@ def _cpu_flags() -> str:
     return ""
 
 
+def has_avx512_bf16() -> bool:
+    """Whether this CPU has vdpbf16ps (the kernels that need it are not built otherwise)."""
+    return "avx512_bf16" in _cpu_flags()
+
+
 def build(name: str) -> ctypes.CDLL:
     """Build (if needed) and load `<name>.c` from this directory. Raises RuntimeError when it cannot."""
     src = Path(__file__).with_name(f"{name}.c")

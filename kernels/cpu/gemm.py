@@ -6,11 +6,10 @@ decode steps, ~4% slower at 2048 rows (prefill). Requires bf16 and a CPU with AV
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from kernels.cpu.build import load_functions
+from kernels.cpu.build import has_avx512_bf16, load_functions
 
 NB = 48            # columns per packed block, as compiled into gemm.c
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -23,16 +22,10 @@ _FN: object = False   # False until first use
 def _fn():
     global _FN
     if _FN is False:
-        fns = load_functions("gemm", {0: "gemm_bf16"}, _ARGS) if _has_bf16_dot() else None
+        fns = load_functions("gemm", {0: "gemm_bf16"}, _ARGS) if has_avx512_bf16() else None
         _FN = None if fns is None else fns[0]
     return _FN
 
-
-def _has_bf16_dot() -> bool:
-    try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
 
 
 def supports(dtype: torch.dtype, in_features: int) -> bool:

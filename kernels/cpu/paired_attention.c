@@ -1,0 +1,229 @@
+/* Paged attention over a bf16 KV cache in the "paired" block layout, for AVX512-BF16 (vdpbf16ps).
+ *
+ * vdpbf16ps multiplies 16 pairs of bf16 by one broadcast pair and adds both products to 16 fp32 lanes, so
+ * a block stores K and V with the pair that one instruction consumes next to each other:
+ *   K block [KVH][d / 2][bs][2]: line (h, p) holds dims 2p, 2p + 1 of bs tokens; 16 tokens' scores for
+ *            one query head = d / 2 instructions against the broadcast query pair, no horizontal sums.
+ *   V block [KVH][bs / 2][d][2]: row (h, j) holds tokens 2j, 2j + 1 of every dim interleaved; one
+ *            instruction adds p[2j] v[2j] + p[2j+1] v[2j+1] to 16 dims of the output.
+ * A block is the K or V of bs tokens of one layer inside a page: k + page * page_stride (v likewise).
+ * Requires d % 32 == 0 and bs % 16 == 0.
+ *
+ * paired_attention_bf16: q, out [D, H, d] bf16; tables [D, max_blocks] int64; lens [D] int64 (>= 1).
+ * Each row is one query token over the first lens[row] tokens of its sequence (decode tokens, and
+ * prefill tokens each over its own prefix). Scores and softmax in fp32; P is rounded to bf16 for P @ V
+ * (as flash attention does); the output is rounded once. Parallel over rows with OpenMP.
+ *
+ * write_kv_paired_bf16: token t's K and V ([T, KVH * d] rows at a stride) into page pages[t], slot
+ * offs[t] of the caches.
+ */
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#include "bf16.h"
+
+#define QG 4        /* query heads per register group */
+#define PF_AHEAD 2  /* blocks prefetched ahead */
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+
+static inline void prefetch_l2(const void *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T1);
+}
+
+/* Prefetches the blocks of the row a thread computes next, a block at a time, while it computes this one. */
+typedef struct {
+    const uint16_t *k, *v;
+    const int64_t *table;        /* of the next row; NULL when none */
+    int64_t next, nblocks, page_stride, bytes;
+} next_row;
+
+static inline void prefetch_next_block(next_row *c) {
+    if (c->table && c->next < c->nblocks) {
+        prefetch_l2(c->k + c->table[c->next] * c->page_stride, c->bytes);
+        prefetch_l2(c->v + c->table[c->next] * c->page_stride, c->bytes);
+        c->next++;
+    }
+}
+
+/* scores of gn <= QG query heads (bf16 pairs q32[g * qs32 + p]) against the 16 tokens of one K tile
+ * (line p at kt + p * bs * 2): s[g * ss + j] = scale * q_g . k_j for j < n; mx[g] = max(mx[g], those)
+ * lane by lane. Even and odd pairs go to separate accumulators: twice the independent chains. */
+static inline __attribute__((always_inline)) void score_tile(const int32_t *q32, int qs32, const uint16_t *kt, int bs,
+                                                             int d, int n, float scale, float *s, int64_t ss,
+                                                             __m512 *mx, const int gn) {
+    __m512 acc[2][QG];
+    for (int g = 0; g < gn; g++) acc[0][g] = acc[1][g] = _mm512_setzero_ps();
+    for (int p = 0; p < d / 2; p += 2)
+        for (int e = 0; e < 2; e++) {
+            const __m512bh kz = (__m512bh)_mm512_loadu_si512(kt + (int64_t)(p + e) * bs * 2);
+            for (int g = 0; g < gn; g++)
+                acc[e][g] = _mm512_dpbf16_ps(acc[e][g], kz, (__m512bh)_mm512_set1_epi32(q32[g * qs32 + p + e]));
+        }
+    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    for (int g = 0; g < gn; g++) {
+        const __m512 sc = _mm512_mul_ps(_mm512_add_ps(acc[0][g], acc[1][g]), _mm512_set1_ps(scale));
+        _mm512_mask_storeu_ps(s + g * ss, m, sc);
+        mx[g] = _mm512_mask_max_ps(mx[g], m, mx[g], sc);
+    }
+}
+
+/* acc[g][c] (16 dims each, nc <= 4 vectors = dims [c0, c0 + 16 nc)) += sum over the token pairs j of one
+ * V block of p32[g * ps32 + j] . v_pair(j); npairs pairs, the last one's odd token masked when `odd`. */
+static inline __attribute__((always_inline)) void pv_block(__m512 acc[QG][4], const uint32_t *p32, int64_t ps32,
+                                                           const uint16_t *vb, int d, int c0, const int nc,
+                                                           int npairs, int odd, const int gn) {
+    for (int j = 0; j < npairs; j++) {
+        const uint16_t *row = vb + ((int64_t)j * d + c0) * 2;
+        __m512i vz[4];
+        for (int c = 0; c < nc; c++) {
+            vz[c] = _mm512_loadu_si512(row + 32 * c);
+            /* token 2j + 1 is past the end: its slot may hold anything, keep only token 2j */
+            if (odd && j == npairs - 1) vz[c] = _mm512_maskz_mov_epi16(0x55555555u, vz[c]);
+        }
+        for (int g = 0; g < gn; g++) {
+            const __m512bh pg = (__m512bh)_mm512_set1_epi32((int)p32[g * ps32 + j]);
+            for (int c = 0; c < nc; c++) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], (__m512bh)vz[c], pg);
+        }
+    }
+}
+
+/* one row, KV head h, query heads [g0, g0 + gn) of that KV head */
+static inline __attribute__((always_inline)) void head_group(
+        const uint16_t *q, uint16_t *out, const uint16_t *k, const uint16_t *v, int64_t page_stride,
+        const int64_t *table, int64_t len, int G, int KVH, int d, int bs, float scale, int h, int g0,
+        float *s, uint32_t *p32, int64_t covered, next_row *pf, const int gn) {
+    const int64_t nblocks = (len + bs - 1) / bs, ss = (len + 15) / 16 * 16, ps32 = ss / 2;
+    const int64_t piece = (int64_t)bs * d;                 /* elements of one head's K (or V) in a block */
+    const int32_t *q32 = (const int32_t *)(q + (int64_t)(h * G + g0) * d);
+    float sum[QG];
+    __m512 mxv[QG];
+    for (int g = 0; g < gn; g++) mxv[g] = _mm512_set1_ps(-FLT_MAX);
+    for (int64_t b = 0; b < nblocks; b++) {
+        const uint16_t *kb = k + table[b] * page_stride + h * piece;
+        if (h == 0 && g0 == 0 && b + PF_AHEAD < nblocks && b + PF_AHEAD >= covered) {  /* the first pass brings every head's K and V */
+            prefetch_l2(k + table[b + PF_AHEAD] * page_stride, piece * 2 * KVH);
+            prefetch_l2(v + table[b + PF_AHEAD] * page_stride, piece * 2 * KVH);
+        }
+        const int64_t n = b == nblocks - 1 ? len - b * bs : bs;
+        for (int64_t t0 = 0; t0 < n; t0 += 16)
+            score_tile(q32, d / 2, kb + t0 * 2, bs, d, (int)(n - t0 < 16 ? n - t0 : 16), scale, s + b * bs + t0,
+                       ss, mxv, gn);
+    }
+    for (int g = 0; g < gn; g++) {
+        float *sg = s + g * ss, total = 0.f;
+        const float m = _mm512_reduce_max_ps(mxv[g]);
+        for (int64_t t = 0; t < len; t++) { sg[t] = expf(sg[t] - m); total += sg[t]; }
+        sum[g] = total;
+        if (len % 2) sg[len] = 0.f;
+        for (int64_t t = 0; t < len; t += 32) {      /* fp32 probabilities -> bf16 pairs (2t, 2t + 1) */
+            const int64_t left = (len + 1) / 2 * 2 - t, n16 = left < 32 ? left : 32;
+            const __mmask16 m0 = n16 >= 16 ? 0xffff : (__mmask16)((1u << n16) - 1);
+            const __mmask16 m1 = n16 >= 32 ? 0xffff : n16 <= 16 ? 0 : (__mmask16)((1u << (n16 - 16)) - 1);
+            const __m512bh pr = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(m1, sg + t + 16), _mm512_maskz_loadu_ps(m0, sg + t));
+            _mm512_mask_storeu_epi16(p32 + g * ps32 + t / 2, (__mmask32)(n16 >= 32 ? 0xffffffffu : (1u << n16) - 1), (__m512i)pr);
+        }
+    }
+    for (int c0 = 0; c0 < d; c0 += 64) {
+        const int nc = d - c0 >= 64 ? 4 : (d - c0) / 16;
+        __m512 acc[QG][4];
+        for (int g = 0; g < gn; g++)
+            for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nblocks; b++) {
+            const uint16_t *vb = v + table[b] * page_stride + h * piece;
+            const int64_t n = b == nblocks - 1 ? len - b * bs : bs;
+            const uint32_t *pb = p32 + b * bs / 2;
+            if (c0 == 0) prefetch_next_block(pf);
+            if (nc == 4) pv_block(acc, pb, ps32, vb, d, c0, 4, (int)((n + 1) / 2), (int)(n % 2), gn);
+            else pv_block(acc, pb, ps32, vb, d, c0, 2, (int)((n + 1) / 2), (int)(n % 2), gn);
+        }
+        for (int g = 0; g < gn; g++) {
+            const __m512 inv = _mm512_set1_ps(1.f / sum[g]);
+            uint16_t *o = out + (int64_t)(h * G + g0 + g) * d + c0;
+            for (int c = 0; c < nc; c++)
+                _mm256_storeu_si256((__m256i *)(o + 16 * c), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], inv)));
+        }
+    }
+}
+
+int paired_attention_bf16(const uint16_t *q, uint16_t *out, const uint16_t *k, const uint16_t *v, int64_t page_stride,
+                          const int64_t *tables, int64_t max_blocks, const int64_t *lens, int D, int H, int KVH, int d,
+                          int bs, float scale) {
+    const int G = H / KVH;
+    if (G * KVH != H || d % 32 || bs % 16 || d > 1024) return -1;
+    int failed = 0;
+#pragma omp parallel
+    {
+        const int nth = omp_get_num_threads();
+        next_row pf = {k, v, NULL, 0, 0, page_stride, (int64_t)bs * d * KVH * 2};
+        int64_t cov[2] = {0, 0};   /* blocks already prefetched of this thread's next row and the one after */
+        for (int r = omp_get_thread_num(); r < D; r += nth) {   /* interleaved: this thread's next rows are known */
+            const int64_t len = lens[r], ss = (len + 15) / 16 * 16, nblocks = (len + bs - 1) / bs;
+            const int64_t *table = tables + (int64_t)r * max_blocks;
+            const int64_t covered = cov[0];
+            if (covered == 0)
+                for (int64_t b = 0; b < (nblocks < PF_AHEAD ? nblocks : PF_AHEAD); b++) {
+                    prefetch_l2(k + table[b] * page_stride, pf.bytes);
+                    prefetch_l2(v + table[b] * page_stride, pf.bytes);
+                }
+            /* memory is slow enough here that the row after next is what to fetch now */
+            pf.table = NULL;
+            if (r + 2 * nth < D) {
+                pf.table = tables + (int64_t)(r + 2 * nth) * max_blocks;
+                pf.next = 0;
+                pf.nblocks = (lens[r + 2 * nth] + bs - 1) / bs;
+            }
+            float *s = (float *)malloc(sizeof(float) * QG * ss + sizeof(uint32_t) * QG * (ss / 2) + 64);
+            if (!s) { failed = 1; continue; }
+            uint32_t *p32 = (uint32_t *)(s + QG * ss);
+            const uint16_t *qr = q + (int64_t)r * H * d;
+            uint16_t *outr = out + (int64_t)r * H * d;
+            for (int h = 0; h < KVH; h++)
+                for (int g0 = 0; g0 < G; g0 += QG) {
+                    switch (G - g0 < QG ? G - g0 : QG) {   /* a specialised copy per group size */
+                    case 1: head_group(qr, outr, k, v, page_stride, table, len, G, KVH, d, bs, scale, h, g0, s, p32, covered, &pf, 1); break;
+                    case 2: head_group(qr, outr, k, v, page_stride, table, len, G, KVH, d, bs, scale, h, g0, s, p32, covered, &pf, 2); break;
+                    case 3: head_group(qr, outr, k, v, page_stride, table, len, G, KVH, d, bs, scale, h, g0, s, p32, covered, &pf, 3); break;
+                    default: head_group(qr, outr, k, v, page_stride, table, len, G, KVH, d, bs, scale, h, g0, s, p32, covered, &pf, 4); break;
+                    }
+                }
+            free(s);
+            cov[0] = cov[1];
+            cov[1] = pf.table ? pf.next : 0;
+        }
+    }
+    return failed ? -2 : 0;
+}
+#else
+int paired_attention_bf16(const uint16_t *q, uint16_t *out, const uint16_t *k, const uint16_t *v, int64_t page_stride,
+                          const int64_t *tables, int64_t max_blocks, const int64_t *lens, int D, int H, int KVH, int d,
+                          int bs, float scale) {
+    (void)q; (void)out; (void)k; (void)v; (void)page_stride; (void)tables; (void)max_blocks; (void)lens; (void)D;
+    (void)H; (void)KVH; (void)d; (void)bs; (void)scale;
+    return -3;   /* built without AVX512-BF16: attention.py never calls it then */
+}
+#endif
+
+int write_kv_paired_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride, uint16_t *k_cache,
+                         uint16_t *v_cache, int64_t page_stride, const int64_t *pages, const int64_t *offs, int64_t rows,
+                         int KVH, int d, int bs) {
+    if (d % 2 || bs % 2) return -1;
+    const int64_t piece = (int64_t)bs * d;
+#pragma omp parallel for schedule(static) if (rows > 64)
+    for (int64_t t = 0; t < rows; t++) {
+        const int64_t o = offs[t];
+        uint16_t *kp = k_cache + pages[t] * page_stride, *vp = v_cache + pages[t] * page_stride;
+        const uint16_t *kt = k + t * k_stride, *vt = v + t * v_stride;
+        for (int h = 0; h < KVH; h++) {
+            uint16_t *kh = kp + h * piece + o * 2, *vh = vp + h * piece + (o / 2) * d * 2 + (o % 2);
+            for (int p = 0; p < d / 2; p++) memcpy(kh + (int64_t)p * bs * 2, kt + h * d + 2 * p, 4);
+            for (int i = 0; i < d; i++) vh[2 * i] = vt[h * d + i];
+        }
+    }
+    return 0;
+}
