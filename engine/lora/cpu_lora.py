@@ -4,7 +4,8 @@ adapters in Python.
 Tokens are grouped once per step (`LoraBatch.build`). Decode tokens (the first `num_decode`, one per
 request) go to the C kernel (kernels/cpu/lora_decode.c): one task per token that streams its adapter's
 own rank of A and B once, in fp32, so a decode token's delta never depends on who shares the step or
-its adapter. In bf16 on CPUs with AVX512-BF16, prefill tokens go to its segment kernel (tokens grouped
+its adapter. In bf16 with the C GEMM, the GEMM computes those tokens' LoRA itself (`fused`,
+kernels/cpu/gemm_lora.c): the adapters' bytes stream in while it computes. In bf16 on CPUs with AVX512-BF16, prefill tokens go to its segment kernel (tokens grouped
 by adapter, 4 at a time per weight load, each token still computed on its own). Otherwise prefill
 tokens are grouped by slot; slots are bucketed by their token count (1, <= 8, more)
 so that a bucket pads each slot's tokens to at most a few times their number, and each bucket runs as
@@ -20,6 +21,7 @@ import torch
 
 from engine.lora.slots import GROUPS, LoraSlots
 from kernels.cpu import lora as c_lora
+from kernels.cpu.gemm import GemmLora
 
 BUCKET_LIMITS = (1, 8)
 
@@ -27,6 +29,12 @@ BUCKET_LIMITS = (1, 8)
 def use_c_kernel(slots: LoraSlots) -> bool:
     """Whether decode tokens take the C kernel (tests switch it off to check the matmul path)."""
     return c_lora.supports(slots.dtype) and c_lora.fits(slots.max_rank, slots.max_in)
+
+
+def fuse_into_gemm(slots: LoraSlots) -> bool:
+    """Whether decode tokens' LoRA runs inside the C base GEMM (bf16 with AVX512-BF16): the adapters'
+    bytes are then read while the GEMM computes instead of in memory-bound passes of their own."""
+    return use_c_kernel(slots) and c_lora.supports_fused(slots.dtype)
 
 
 @dataclass
@@ -42,12 +50,14 @@ class LoraBatch:
     """Implements the model's LoraHook for one step."""
 
     def __init__(self, slots: LoraSlots, buckets: list[Bucket], decode: c_lora.LoraDecode | None, rank: int,
-                 modules: frozenset[str], segments: c_lora.LoraSegments | None = None):
+                 modules: frozenset[str], segments: c_lora.LoraSegments | None = None,
+                 fused_rows: c_lora.LoraRows | None = None):
         self.buf = slots.buf
         self.weights = slots.c_weights
         self.buckets = buckets       # prefill tokens (and decode tokens without the C kernel)
         self.decode = decode         # decode tokens, through the C kernel
         self.segments = segments     # prefill tokens through the C segment kernel (bf16), instead of buckets
+        self.fused_rows = fused_rows  # decode tokens again, for base GEMMs that compute their LoRA (see fused)
         self.rank = rank
         # groups no active adapter targets are skipped entirely
         self.groups = {g for g, (_, _, mods) in GROUPS.items() if modules.intersection(mods)}
@@ -64,9 +74,13 @@ class LoraBatch:
         decode = None
         if use_c_kernel(slots):
             pairs = [(t, s) for t, s in enumerate(token_slots[:num_decode]) if s >= 0]
+            fused_rows = None
             if pairs:
-                decode = c_lora.LoraDecode(torch.tensor([t for t, _ in pairs]), torch.tensor([s for _, s in pairs]),
-                                           torch.tensor([slot_rank[s] for _, s in pairs]), slots.dtype)
+                index = (torch.tensor([t for t, _ in pairs]), torch.tensor([s for _, s in pairs]),
+                         torch.tensor([slot_rank[s] for _, s in pairs]))
+                decode = c_lora.LoraDecode(*index, slots.dtype)
+                if fuse_into_gemm(slots):
+                    fused_rows = c_lora.LoraRows(*index, len(token_slots))
             first = num_decode
         else:
             first = 0
@@ -77,18 +91,26 @@ class LoraBatch:
         rank = max(slots.rank_of[a] for a in active)
         modules = frozenset().union(*(slots.modules_of[a] for a in active))
         if per_slot and use_c_kernel(slots) and c_lora.supports_segments(slots.dtype):
-            return cls(slots, [], decode, rank, modules, _segments(per_slot, slot_rank, slots.dtype))
+            return cls(slots, [], decode, rank, modules, _segments(per_slot, slot_rank, slots.dtype), fused_rows)
         groups: dict[int, list[int]] = {}
         for s, toks in sorted(per_slot.items()):
             cls_ = next((i for i, lim in enumerate(BUCKET_LIMITS) if len(toks) <= lim), len(BUCKET_LIMITS))
             groups.setdefault(cls_, []).append(s)
         buckets = [_bucket(g, per_slot) for g in groups.values()]
-        return cls(slots, buckets, decode, rank, modules)
+        return cls(slots, buckets, decode, rank, modules, fused_rows=fused_rows if use_c_kernel(slots) else None)
 
-    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
+    def fused(self, layer: int, group: str, x: torch.Tensor) -> GemmLora | None:
+        """The decode tokens' LoRA for a C base GEMM to compute itself (c_gemm.GemmLora), or None; after
+        such a GEMM, apply(..., fused=True) adds only the other tokens' deltas."""
+        if self.fused_rows is None or group not in self.groups:
+            return None
+        w = self.weights(layer, group)
+        return self.fused_rows(w) if w.fusable else None
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor, fused: bool = False) -> None:
         if group not in self.groups:
             return
-        if self.decode is not None:
+        if self.decode is not None and not fused:
             self.decode(x, y, self.weights(layer, group))
         if self.segments is not None:
             self.segments(x, y, self.weights(layer, group))

@@ -34,9 +34,15 @@ class Linear:
         self.c = c_gemm.Gemm(weight) if kernel == "c" else None
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _DECODE_M_HINT) if kernel == "onednn" else None
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def takes_lora(self) -> bool:
+        """Whether __call__ accepts a GemmLora (the C kernel adds those deltas before rounding)."""
+        return self.c is not None and c_gemm.supports_lora()
+
+    def __call__(self, x: torch.Tensor, lora: c_gemm.GemmLora | None = None) -> torch.Tensor:
         if self.c is not None:
-            return self.c(x)
+            return self.c(x, lora)
+        assert lora is None, "only the C GEMM adds LoRA deltas"
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
         return F.linear(x, self.weight)

@@ -14,13 +14,18 @@ from engine.config import ModelConfig
 from engine.model.attention import AttentionMetadata, paged_attention, write_kv
 from engine.model.rope import Rope
 from engine.model.weights import LlamaWeights
+from engine.model.linear import Linear
 from kernels.cpu import elementwise
+from kernels.cpu.gemm import GemmLora
 
 
 class LoraHook(Protocol):
-    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Add the adapters' deltas in place: y[t] += lora_{group}(x[t]) for every token t.
-        group is "qkv", "o", "gate_up" or "down"; x: [T, in], y: [T, out] (fused outputs)."""
+    def fused(self, layer: int, group: str, x: torch.Tensor) -> GemmLora | None:
+        """Deltas a C base GEMM can add itself (some tokens'), or None."""
+
+    def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor, fused: bool = False) -> None:
+        """Add the adapters' deltas in place: y[t] += lora_{group}(x[t]) for every token t (but those of
+        `fused()`'s when fused). group is "qkv", "o", "gate_up" or "down"; x: [T, in], y: [T, out]."""
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,6 +67,16 @@ class CFusedOps:
         elementwise.write_kv(k_cache, v_cache, k, v, meta.slot_page, meta.slot_offset)
 
 
+def project(linear: Linear, layer: int, group: str, x: torch.Tensor, lora: LoraHook | None) -> torch.Tensor:
+    """linear(x) plus the adapters' deltas of that group."""
+    if lora is None:
+        return linear(x)
+    fused = lora.fused(layer, group, x) if linear.takes_lora else None
+    y = linear(x, fused)
+    lora.apply(layer, group, x, y, fused=fused is not None)
+    return y
+
+
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: LlamaWeights):
         self.cfg = cfg
@@ -80,9 +95,7 @@ class LlamaModel:
         cos, sin = self.rope.cos[positions], self.rope.sin[positions]   # [T, head_dim]
         for i, layer in enumerate(self.w.layers):
             h = ops.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
-            qkv = layer.qkv(h)                              # [T, q + 2kv]
-            if lora is not None:
-                lora.apply(i, "qkv", h, qkv)
+            qkv = project(layer.qkv, i, "qkv", h, lora)           # [T, q + 2kv]
             q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
             q = ops.rope(self.rope, q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
             k = ops.rope(self.rope, k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
@@ -90,18 +103,12 @@ class LlamaModel:
             k_cache, v_cache = kv_caches[i]
             ops.write_kv(k_cache, v_cache, k, v, meta)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale).flatten(1)  # [T, q]
-            o = layer.o(attn)
-            if lora is not None:
-                lora.apply(i, "o", attn, o)
+            o = project(layer.o, i, "o", attn, lora)
             x = x + o
             h = ops.rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
-            gate_up = layer.gate_up(h)                      # [T, 2I]
-            if lora is not None:
-                lora.apply(i, "gate_up", h, gate_up)
+            gate_up = project(layer.gate_up, i, "gate_up", h, lora)  # [T, 2I]
             act = ops.silu_mul(gate_up)                               # [T, I]
-            down = layer.down(act)
-            if lora is not None:
-                lora.apply(i, "down", act, down)
+            down = project(layer.down, i, "down", act, lora)
             x = x + down
         x = ops.rms_norm(x[logits_indices], self.w.norm, cfg.rms_norm_eps)
         return self.w.lm_head(x).float()

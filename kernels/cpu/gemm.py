@@ -6,6 +6,7 @@ decode steps, ~4% slower at 2048 rows (prefill). Requires bf16 and a CPU with AV
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -16,20 +17,48 @@ _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
 _ARGS = [_P, _I64, _P, _P, _I64, _I, _I, _I]
-_FN: object = False   # False until first use
+_LORA_ARGS = [*_ARGS, _P, _P, _P, _I64, _I, _I, _P, _P, _P, _P, _I64]
+_FNS: dict | None | bool = False   # False until first use
+
+
+def _fns():
+    global _FNS
+    if _FNS is False:
+        _FNS = (load_functions("gemm", {"plain": "gemm_bf16"}, _ARGS) if has_avx512_bf16() else None)
+        lora = load_functions("gemm_lora", {"lora": "gemm_lora_bf16"}, _LORA_ARGS) if _FNS is not None else None
+        if _FNS is not None and lora is not None:
+            _FNS.update(lora)
+    return _FNS
 
 
 def _fn():
-    global _FN
-    if _FN is False:
-        fns = load_functions("gemm", {0: "gemm_bf16"}, _ARGS) if has_avx512_bf16() else None
-        _FN = None if fns is None else fns[0]
-    return _FN
+    fns = _fns()
+    return None if fns is None else fns["plain"]
+
+
+@dataclass
+class GemmLora:
+    """The multi-LoRA of some rows, for Gemm.__call__ to compute inside the GEMM (gemm_lora.c): row t with
+    slot[t] >= 0 gets y[t, cols of output g] += b_g[slot, :r]^T @ (a[slot, :r, g] @ x[t]), r = rank[t].
+    slot, rank: [M] int64; a: [S, R, G, K] (rows contiguous); b_ptrs, b_strides, outs: ctypes arrays of
+    the G outputs' [S, R, out_g] buffers (slot stride in elements; out_g multiples of 16, summing to N)."""
+    slot: torch.Tensor
+    rank: torch.Tensor
+    a: torch.Tensor
+    b_ptrs: object
+    b_strides: object
+    outs: object
 
 
 
 def supports(dtype: torch.dtype, in_features: int) -> bool:
     return dtype == torch.bfloat16 and in_features % 2 == 0 and _fn() is not None
+
+
+def supports_lora() -> bool:
+    """Whether Gemm.__call__ takes a GemmLora here."""
+    fns = _fns()
+    return fns is not None and "lora" in fns
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
@@ -49,14 +78,23 @@ class Gemm:
         self.packed = pack(weight)
         self.fn = _fn()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, lora: GemmLora | None = None) -> torch.Tensor:
         assert x.dim() == 2 and x.shape[1] == self.in_features and x.dtype == torch.bfloat16
         if x.stride(-1) != 1:
             x = x.contiguous()
         m = x.shape[0]
         y = torch.empty(m, self.out_features, dtype=x.dtype)
-        rc = self.fn(x.data_ptr(), x.stride(0), self.packed.data_ptr(), y.data_ptr(), y.stride(0), m,
-                     self.in_features, self.out_features)
+        args = (x.data_ptr(), x.stride(0), self.packed.data_ptr(), y.data_ptr(), y.stride(0), m, self.in_features,
+                self.out_features)
+        if lora is None:
+            rc = self.fn(*args)
+        else:
+            _, r, g, k = lora.a.shape
+            assert lora.slot.shape == lora.rank.shape == (m,) and k == self.in_features
+            assert lora.a.stride()[1:] == (g * k, k, 1) and lora.a.dtype == torch.bfloat16
+            v = torch.empty(m, r * g, dtype=torch.float32)      # the shrink's results (scratch)
+            rc = _fns()["lora"](*args, lora.slot.data_ptr(), lora.rank.data_ptr(), lora.a.data_ptr(), lora.a.stride(0),
+                                r, g, lora.b_ptrs, lora.b_strides, lora.outs, v.data_ptr(), v.stride(0))
         if rc != 0:
             raise RuntimeError(f"gemm_bf16 failed with code {rc} (K={self.in_features})")
         return y

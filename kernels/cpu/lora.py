@@ -47,6 +47,11 @@ def supports(dtype: torch.dtype) -> bool:
     return fns is not None and dtype in fns
 
 
+def supports_fused(dtype: torch.dtype) -> bool:
+    """Whether the C base GEMM computes decode tokens' LoRA itself here (LoraRows; bf16, AVX512-BF16)."""
+    return dtype == torch.bfloat16 and c_gemm.supports_lora()
+
+
 def supports_segments(dtype: torch.dtype) -> bool:
     """Whether LoraSegments runs here (bf16 on a CPU with AVX512-BF16)."""
     fns = _segment_fns()
@@ -67,6 +72,7 @@ class Weights:
         self.b_ptrs = (ctypes.c_void_p * G)(*[b.data_ptr() for b in bs])
         self.b_strides = (ctypes.c_int64 * G)(*[b.stride(0) for b in bs])
         self.outs = (ctypes.c_int64 * G)(*[b.shape[2] for b in bs])
+        self.fusable = all(b.shape[2] % 16 == 0 for b in bs)   # the GEMM epilogue works on 16 columns
 
 
 def _launch(fn, name: str, dtype: torch.dtype, x: torch.Tensor, y: torch.Tensor, w: Weights,
@@ -114,3 +120,20 @@ class LoraSegments:
     def __call__(self, x: torch.Tensor, y: torch.Tensor, w: Weights) -> None:
         _launch(self.fn, "lora_segments", self.dtype, x, y, w, [self.tokens, self.starts, self.slots, self.ranks],
                 self.n)
+
+
+class LoraRows:
+    """Decode tokens whose whole LoRA the C base GEMM computes (c_gemm.GemmLora, gemm_lora.c): (t, s, r)
+    for t, s, r in zip(tokens, slots, ranks), tokens distinct rows of a step of num_rows tokens.
+    Requires supports_fused(dtype)."""
+
+    def __init__(self, tokens: torch.Tensor, slots: torch.Tensor, ranks: torch.Tensor, num_rows: int):
+        tokens = tokens.to(torch.int64)
+        self.row_slot = torch.full((num_rows,), -1, dtype=torch.int64)
+        self.row_slot[tokens] = slots.to(torch.int64)
+        self.row_rank = torch.zeros(num_rows, dtype=torch.int64)
+        self.row_rank[tokens] = ranks.to(torch.int64)
+
+    def __call__(self, w: Weights) -> c_gemm.GemmLora:
+        assert w.fusable
+        return c_gemm.GemmLora(self.row_slot, self.row_rank, w.a, w.b_ptrs, w.b_strides, w.outs)

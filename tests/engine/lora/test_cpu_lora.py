@@ -120,3 +120,28 @@ def test_bf16_batches_match_reference(seed, path):
     y = torch.zeros(ref.shape, dtype=torch.bfloat16)
     batch.apply(0, "qkv", x, y)
     torch.testing.assert_close(y.float(), ref, atol=0.1, rtol=2e-2)
+
+
+@pytest.mark.parametrize("group,n_in", [("qkv", 32), ("o", 32), ("gate_up", 32), ("down", 64)])
+def test_bf16_decode_lora_inside_the_base_gemm(group, n_in, path):
+    """With the C GEMM, decode tokens' LoRA is computed by the GEMM itself (fused); prefill tokens' after
+    it. Same result as the GEMM followed by the LoRA kernels."""
+    from engine.model.linear import Linear
+    from engine.model.llama import project
+    if path != "c-kernel" or not cpu_lora.fuse_into_gemm(make_slots([4], torch.bfloat16)):
+        pytest.skip("needs the C GEMM (AVX512-BF16)")
+    slots = make_slots([4, 16, 8], torch.bfloat16)
+    token_slots = [0, 2, -1, 1, 1, 1, 1, -1, 2, 2]         # 4 decode tokens, then prefill chunks
+    batch = LoraBatch.build(slots, token_slots, [s + 1 if s >= 0 else 0 for s in token_slots], 4)
+    width = sum(slots.buf[b].shape[3] for b in GROUPS[group][1])
+    g = torch.Generator().manual_seed(5)
+    lin = Linear((torch.randn(width, n_in, generator=g) * 0.2).to(torch.bfloat16), kernel="c")
+    x = (torch.randn(len(token_slots), n_in, generator=g) * 0.5).to(torch.bfloat16)
+    assert batch.fused(1, group, x) is not None
+    fused = project(lin, 1, group, x, batch)
+    unfused = lin(x)
+    batch.apply(1, group, x, unfused)
+    ref = reference(slots, 1, group, x, token_slots) + (x.float() @ lin.weight.float().T)
+    torch.testing.assert_close(fused.float(), ref, atol=0.1, rtol=2e-2)
+    torch.testing.assert_close(fused.float(), unfused.float(), atol=0.1, rtol=2e-2)
+    assert torch.equal(fused[[2, 7]], lin(x)[[2, 7]])       # base tokens untouched

@@ -1,0 +1,163 @@
+/* The bf16 base GEMM of one fused projection group with the multi-LoRA of its decode rows inside it:
+ *     y = x @ W^T;   y[t, cols of output g] += B_g[s]^T (A[s] x[t])   for each row t with slot s = slot[t] >= 0
+ * (rank rank[t]; A [S][R][G][K] rank-major, B_g [S][R][out_g] transposed and pre-scaled: the LoRA slots).
+ *
+ * The adapters' bytes are what a decode step's LoRA costs (each row its own adapter: memory-bound), while
+ * the GEMM is compute-bound; here the two overlap. The column blocks are split in two phases:
+ *   1. the first blocks' tiles (plain), and between them the shrinks v[t] = A[s] x[t];
+ *   2. (after a barrier) the other blocks' tiles, which add their rows' expand before rounding (the
+ *      epilogue of gemm_tile.h), and between them the expand of phase 1's columns into y (y rounded
+ *      twice there, as an unfused LoRA does).
+ * While a task's tiles compute, the bytes of the memory-bound steps that follow it are prefetched (one
+ * walker step per k step). Phase 1's share of the columns follows A's share of the adapter bytes.
+ * Every row is computed on its own: results never depend on the rest of the batch.
+ */
+#include <omp.h>
+#include <stdlib.h>
+
+#include "gemm_tile.h"
+#include "lora_bf16.h"
+
+#define MAX_GROUPS 3
+
+typedef struct {
+    const uint16_t *x, *p;
+    uint16_t *y;
+    int64_t xs, ys;
+    int M, K, N, nblocks, mblocks, mc;
+    const int64_t *rows;      /* the rows with an adapter */
+    int nrows;
+    const uint16_t *a;
+    int64_t a_slot_stride;
+    int R;
+    lora_args l;
+    float *v;
+    int64_t v_stride;
+    int split;                /* column blocks [0, split) are phase 1's */
+} job;
+
+/* A phase's tasks are single tiles, ordered by row block, then column block in [c0, c1), then row tile:
+ * the tiles of a column block run back to back (its packed weights stay in L2) and the threads' shares
+ * differ by at most one tile. */
+static int tile_count(const job *j, int c0, int c1) {
+    return (j->M + MR - 1) / MR * (c1 - c0);   /* row blocks but the last hold whole tiles (mc % MR == 0) */
+}
+
+static void run_tile(const job *j, int c0, int c1, int task, const lora_args *l, walker *w) {
+    const int ncb = c1 - c0;
+    int mb = 0, rest = task;
+    for (;;) {
+        const int m0 = mb * j->mc, tiles = ((j->M - m0 < j->mc ? j->M - m0 : j->mc) + MR - 1) / MR;
+        if (rest < tiles * ncb || mb == j->mblocks - 1) {
+            const int nb = c0 + rest / tiles, m = m0 + rest % tiles * MR;
+            const int m1 = m0 + j->mc < j->M ? m0 + j->mc : j->M, mr = m1 - m < MR ? m1 - m : MR;
+            const int ncols = j->N - nb * NB < NB ? j->N - nb * NB : NB;
+            const uint16_t *pn = j->p + (int64_t)nb * j->K * NB;
+            uint16_t *ym = j->y + (int64_t)m * j->ys + nb * NB;
+            if (l) tile(j->x + (int64_t)m * j->xs, j->xs, pn, ym, j->ys, j->K, mr, ncols, l, m, nb * NB, w);
+            else tile(j->x + (int64_t)m * j->xs, j->xs, pn, ym, j->ys, j->K, mr, ncols, 0, m, nb * NB, w);
+            return;
+        }
+        rest -= tiles * ncb;
+        mb++;
+    }
+}
+
+/* phase 1's step i: the shrink of row rows[i] */
+static void shrink_step(const job *j, int i, walker *w, int fetch) {
+    const int64_t t = j->rows[i], s = j->l.slot[t];
+    const uint16_t *as = j->a + s * j->a_slot_stride;
+    const int n = (int)j->l.rank[t] * j->l.G;
+    if (fetch) { walker_add(w, as, (int64_t)n * j->K * 2); return; }
+    shrink_bf16(j->x + t * j->xs, as, n, j->K, j->v + t * j->v_stride);
+}
+
+/* phase 2's step i: row rows[i]'s expand over the columns of phase 1, [0, split * NB) */
+static void expand_step(const job *j, int i, walker *w, int fetch) {
+    const int64_t t = j->rows[i], s = j->l.slot[t];
+    const int r = (int)j->l.rank[t];
+    const int64_t end = (int64_t)j->split * NB < j->N ? (int64_t)j->split * NB : j->N;
+    int64_t start = 0;
+    for (int g = 0; g < j->l.G && start < end; g++) {
+        const int64_t o = j->l.out[g], n = end - start < o ? end - start : o;
+        const uint16_t *b = j->l.b[g] + s * j->l.b_slot_stride[g];
+        if (fetch) {
+            for (int k = 0; k < r; k++) walker_add(w, b + k * o, n * 2);
+        } else {
+            expand_add_bf16(b, n, o, r, j->l.v + t * j->l.v_stride + g, j->l.G, j->y + t * j->ys + start);
+        }
+        start += o;
+    }
+}
+
+typedef void (*step_fn)(const job *, int, walker *, int);
+
+/* this thread's tasks of a phase, with its memory-bound steps spread between them (each step's bytes
+ * prefetched during the task before it) */
+static void phase(const job *j, int c0, int c1, const lora_args *l, step_fn step, walker *w) {
+    const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int tasks = tile_count(j, c0, c1);
+    const int tb = (int)((int64_t)tasks * tid / nth), te = (int)((int64_t)tasks * (tid + 1) / nth);
+    const int sb = (int)((int64_t)j->nrows * tid / nth), se = (int)((int64_t)j->nrows * (tid + 1) / nth);
+    int done = sb;
+    for (int task = tb; task < te; task++) {
+        const int target = sb + (int)((int64_t)(se - sb) * (task - tb + 1) / (te - tb));
+        walker_reset(w);
+        for (int i = done; i < target; i++) step(j, i, w, 1);
+        w->per_step = (int)((walker_lines(w) + j->K / 2 - 1) / (j->K / 2)) + 1;
+        run_tile(j, c0, c1, task, l, w);
+        for (; done < target; done++) step(j, done, w, 0);
+    }
+    for (; done < se; done++) step(j, done, w, 0);   /* no tasks of this phase on this thread */
+}
+
+/* x [M, K], y [M, N] (rows at strides xs, ys), p: packed W; slot, rank: [M] (slot -1: no adapter); a, b,
+ * out as above; v: [M] rows of >= R * G fp32 at v_stride (scratch). 0, -1 odd K, -2 outputs that are not
+ * multiples of 16 or do not add up to N, -3 a rank out of range, -4 out of memory. */
+int gemm_lora_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y, int64_t ys, int M, int K, int N,
+                   const int64_t *slot, const int64_t *rank, const uint16_t *a, int64_t a_slot_stride, int R, int G,
+                   const uint16_t *const *b, const int64_t *b_slot_stride, const int64_t *out, float *v,
+                   int64_t v_stride) {
+    if (K % 2) return -1;
+    if (M <= 0) return 0;
+    int64_t total = 0;
+    for (int g = 0; g < G; g++) {
+        if (out[g] % 16) return -2;
+        total += out[g];
+    }
+    if (G < 1 || G > MAX_GROUPS || total != N) return -2;
+    int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * M);
+    if (!rows) return -4;
+    int nrows = 0;
+    for (int t = 0; t < M; t++) {
+        if (slot[t] < 0) continue;
+        if (rank[t] < 0 || rank[t] > R) { free(rows); return -3; }
+        rows[nrows++] = t;
+    }
+    job j = {x, p, y, xs, ys, M, K, N, (N + NB - 1) / NB, (M + MC - 1) / MC, 0, rows, nrows, a, a_slot_stride, R,
+             {slot, rank, v, v_stride, G, b, b_slot_stride, out}, v, v_stride, 0};
+    j.mc = ((M + j.mblocks - 1) / j.mblocks + MR - 1) / MR * MR;
+    /* phase 1 gets A's share of the adapters' bytes in columns (at least one block, when there are two) */
+    const double a_share = (double)G * K / ((double)G * K + N);
+    j.split = (int)(a_share * j.nblocks + 0.5);
+    if (j.split < 1) j.split = j.nblocks > 1 ? 1 : 0;
+    if (j.split >= j.nblocks) j.split = j.nblocks - 1;
+    int failed = 0;
+#pragma omp parallel
+    {
+        walker *w = (walker *)malloc(sizeof(walker));
+        if (!w) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp barrier
+        if (!failed) {
+            phase(&j, 0, j.split, 0, shrink_step, w);
+#pragma omp barrier
+            phase(&j, j.split, j.nblocks, &j.l, expand_step, w);
+        }
+        free(w);
+    }
+    free(rows);
+    return failed ? -4 : 0;
+}

@@ -1,0 +1,175 @@
+/* The register tile of the bf16 GEMM (gemm.c, gemm_lora.c), with an optional multi-LoRA epilogue.
+ *
+ * Packed W (see gemm.py): [ceil(N / NB)][K / 2][NB][2], NB = 48 columns per block, columns past N zero;
+ * element (n, k) sits at block n / NB, pair k / 2, lane n % NB, half k % 2, so one 64-byte load holds 16
+ * columns x 2 consecutive k: exactly vdpbf16ps's operand. K must be even. A tile is MR x NB outputs (8 x 3
+ * zmm accumulators) over the whole K; each output is one fp32 sum rounded once to bf16.
+ */
+#pragma once
+#include <immintrin.h>
+#include <stdint.h>
+
+/* Spreads software prefetches of a list of byte ranges over a tile's k steps (into L2), so that data a
+ * memory-bound step needs next arrives while the tile computes. */
+#define WALK_MAX 1024
+typedef struct {
+    const char *ptr[WALK_MAX];
+    int64_t len[WALK_MAX];
+    int n, i;
+    int64_t off;
+    int per_step;     /* lines per k step */
+} walker;
+
+static inline void walker_reset(walker *w) { w->n = w->i = 0; w->off = 0; }
+
+static inline void walker_add(walker *w, const void *p, int64_t bytes) {
+    if (w->n < WALK_MAX && bytes > 0) { w->ptr[w->n] = (const char *)p; w->len[w->n++] = bytes; }
+}
+
+static inline void walker_step(walker *w) {
+    for (int q = 0; q < w->per_step && w->i < w->n; q++) {
+        _mm_prefetch(w->ptr[w->i] + w->off, _MM_HINT_T1);
+        w->off += 64;
+        if (w->off >= w->len[w->i]) { w->i++; w->off = 0; }
+    }
+}
+
+static inline int64_t walker_lines(const walker *w) {
+    int64_t n = 0;
+    for (int i = 0; i < w->n; i++) n += (w->len[i] + 63) / 64;
+    return n;
+}
+
+#define NV 3              /* zmm accumulators per row of a tile */
+#define NB (16 * NV)      /* columns per block */
+#define MR 8              /* rows per tile */
+#define MC 96             /* rows per task at most: the task's x rows stay in L2 */
+
+/* Multi-LoRA deltas added in the tile epilogue (gemm_lora_bf16): row t of the call gets
+ *     y[t, c] += sum_k v[t][k * G + g] * b[g][slot[t]][k][c - start_g]   for k < rank[t]
+ * for every column c of output g (outputs side by side, each a multiple of 16 columns); slot[t] < 0: none.
+ * b[g] + s * b_slot_stride[g] is [R, out[g]] rank-major (B transposed and pre-scaled, as the LoRA slots). */
+typedef struct {
+    const int64_t *slot, *rank;
+    const float *v;
+    int64_t v_stride;
+    int G;
+    const uint16_t *const *b;
+    const int64_t *b_slot_stride, *out;
+} lora_args;
+
+/* where a tile's columns [c0, c0 + 16 NV) sit in the outputs: vector j is output g[j] at column off[j] */
+typedef struct { int g[NV], off[NV]; } col_map;
+
+static inline col_map map_columns(const lora_args *l, int c0, int ncols) {
+    col_map cm;
+    for (int j = 0; j < NV; j++) {
+        const int c = c0 + 16 * (16 * j < ncols ? j : 0);
+        int g = 0, start = 0;
+        while (c >= start + l->out[g]) start += (int)l->out[g++];
+        cm.g[j] = g;
+        cm.off[j] = c - start;
+    }
+    return cm;
+}
+
+/* acc rows [0, mr) x columns [c0, c0 + ncols) (fp32, row stride NB) += the LoRA deltas of those rows */
+static inline void lora_epilogue(const lora_args *l, const col_map *cm, int64_t m, int mr, int ncols, float *acc) {
+    for (int r = 0; r < mr; r++) {
+        const int64_t s = l->slot[m + r];
+        if (s < 0) continue;
+        const int rk = (int)l->rank[m + r], G = l->G;
+        const float *v = l->v + (m + r) * l->v_stride;
+        for (int j = 0; 16 * j < ncols; j++) {
+            const int g = cm->g[j];
+            const int64_t o = l->out[g];
+            const uint16_t *bp = l->b[g] + s * l->b_slot_stride[g] + cm->off[j];
+            const float *vg = v + g;
+            __m512 a0 = _mm512_loadu_ps(acc + r * NB + 16 * j), a1 = _mm512_setzero_ps();
+            int k = 0;
+            for (; k + 2 <= rk; k += 2, bp += 2 * o) {   /* two chains: half the FMA latency */
+                a0 = _mm512_fmadd_ps(_mm512_set1_ps(vg[k * G]), _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)bp)), a0);
+                a1 = _mm512_fmadd_ps(_mm512_set1_ps(vg[(k + 1) * G]), _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(bp + o))), a1);
+            }
+            if (k < rk)
+                a0 = _mm512_fmadd_ps(_mm512_set1_ps(vg[k * G]), _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)bp)), a0);
+            _mm512_storeu_ps(acc + r * NB + 16 * j, _mm512_add_ps(a0, a1));
+        }
+    }
+}
+
+/* Walks the B rows a tile's epilogue will read, one (row, rank) per call: both ends of its 16 NV columns. */
+typedef struct {
+    const char *base[MR][2];
+    int64_t stride[MR][2];
+    int rank[MR], r, k, mr;
+} lora_prefetch;
+
+static inline void prefetch_init(lora_prefetch *pf, const lora_args *l, const col_map *cm, int64_t m, int mr, int ncols) {
+    const int last = (ncols - 1) / 16;
+    pf->r = pf->k = 0;
+    pf->mr = mr;
+    for (int r = 0; r < mr; r++) {
+        const int64_t s = l->slot[m + r];
+        pf->rank[r] = s < 0 ? 0 : (int)l->rank[m + r];
+        for (int e = 0; e < 2; e++) {
+            const int j = e ? last : 0, g = cm->g[j];
+            pf->base[r][e] = (const char *)(l->b[g] + (s < 0 ? 0 : s) * l->b_slot_stride[g] + cm->off[j]);
+            pf->stride[r][e] = l->out[g] * 2;
+        }
+    }
+}
+
+static inline void prefetch_step(lora_prefetch *pf) {
+    while (pf->r < pf->mr && pf->k >= pf->rank[pf->r]) { pf->r++; pf->k = 0; }
+    if (pf->r >= pf->mr) return;
+    _mm_prefetch(pf->base[pf->r][0] + pf->k * pf->stride[pf->r][0], _MM_HINT_T1);
+    _mm_prefetch(pf->base[pf->r][1] + pf->k * pf->stride[pf->r][1] + 30, _MM_HINT_T1);
+    pf->k++;
+}
+
+/* y rows [0, mr) x columns [0, ncols) of one block; with l, rows m.. of the call get their LoRA deltas
+ * (their B lines prefetched one per k step while the tile computes) before the single rounding; with w,
+ * one walker step per k step */
+static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y,
+                                                       int64_t ys, int K, int mr, int ncols, const lora_args *l,
+                                                       int64_t m, int c0, walker *w) {
+    __m512 acc[MR][NV];
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < NV; j++) acc[r][j] = _mm512_setzero_ps();
+    const int32_t *xi[MR];
+    for (int r = 0; r < MR; r++) xi[r] = (const int32_t *)(x + (r < mr ? r : 0) * xs);
+    col_map cm;
+    lora_prefetch pf;
+    if (l) {
+        cm = map_columns(l, c0, ncols);
+        prefetch_init(&pf, l, &cm, m, mr, ncols);
+    }
+    for (int kp = 0; kp < K / 2; kp++) {
+        if (l) prefetch_step(&pf);
+        if (w) walker_step(w);
+        __m512bh w[NV];
+        for (int j = 0; j < NV; j++) w[j] = (__m512bh)_mm512_loadu_si512(p + 32 * j);
+        p += 2 * NB;
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) {
+            const __m512bh b = (__m512bh)_mm512_set1_epi32(xi[r][kp]);
+            for (int j = 0; j < NV; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], w[j], b);
+        }
+    }
+    if (l) {
+        float sums[MR * NB];
+        for (int r = 0; r < MR; r++)
+            for (int j = 0; j < NV; j++) _mm512_storeu_ps(sums + r * NB + 16 * j, acc[r][j]);
+        lora_epilogue(l, &cm, m, mr, ncols, sums);
+        for (int r = 0; r < MR; r++)
+            for (int j = 0; j < NV; j++) acc[r][j] = _mm512_loadu_ps(sums + r * NB + 16 * j);
+    }
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < NV && 16 * j < ncols; j++) {
+            const int c16 = ncols - 16 * j;
+            const __mmask16 m = c16 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << c16) - 1);
+            _mm256_mask_storeu_epi16(y + r * ys + 16 * j, m, (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
+        }
+}
+

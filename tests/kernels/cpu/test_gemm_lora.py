@@ -1,0 +1,70 @@
+"""The base GEMM that computes its decode rows' multi-LoRA itself (kernels/cpu/gemm_lora.c)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu import gemm
+from kernels.cpu import lora as c_lora
+
+pytestmark = pytest.mark.skipif(not c_lora.supports_fused(torch.bfloat16), reason="no AVX512-BF16 C GEMM here")
+
+
+def case(slots, rank, n_in, outs, m, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(slots, rank, len(outs), n_in, generator=g) * 0.05).to(torch.bfloat16)
+    bs = [(torch.randn(slots, rank, o, generator=g) * 0.05).to(torch.bfloat16) for o in outs]
+    w = (torch.randn(sum(outs), n_in, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(m, n_in, generator=g).to(torch.bfloat16)
+    tokens = torch.randperm(m, generator=g)[: max(1, 2 * m // 3)]
+    row_slots = torch.randint(0, slots, (len(tokens),), generator=g)
+    ranks = torch.randint(1, rank + 1, (len(tokens),), generator=g)
+    return a, bs, w, x, tokens, row_slots, ranks
+
+
+def reference(a, bs, w, x, tokens, row_slots, ranks):
+    ref = x.float() @ w.float().T
+    for t, s, r in zip(tokens.tolist(), row_slots.tolist(), ranks.tolist()):
+        v = a[s, :r].float() @ x[t].float()                   # [r, G]
+        col = 0
+        for g, b in enumerate(bs):
+            ref[t, col:col + b.shape[2]] += v[:, g] @ b[s, :r].float()
+            col += b.shape[2]
+    return ref
+
+
+# decode groups of SmolLM2 (qkv, o, gate_up, down), more rows than one row block, a single row
+@pytest.mark.parametrize("slots,rank,n_in,outs,m", [(6, 16, 576, [576, 192, 192], 20), (5, 16, 1536, [576], 64),
+                                                    (8, 16, 576, [1536, 1536], 70), (8, 8, 576, [576, 192, 192], 200),
+                                                    (3, 4, 96, [32, 16, 16], 1), (4, 64, 64, [48], 9)])
+def test_matches_fp32_reference(slots, rank, n_in, outs, m):
+    a, bs, w, x, tokens, row_slots, ranks = case(slots, rank, n_in, outs, m)
+    weights = c_lora.Weights(a, bs)
+    y = gemm.Gemm(w)(x, c_lora.LoraRows(tokens, row_slots, ranks, m)(weights))
+    ref = reference(a, bs, w, x, tokens, row_slots, ranks)
+    # bf16 output: one rounding, or two (of the base, then of the sum) in the columns whose expand runs
+    # after their tiles
+    base = (x.float() @ w.float().T).abs()
+    assert ((y.float() - ref).abs() <= (ref.abs() + base) * 2 ** -8 + 1e-3).all()
+    plain = gemm.Gemm(w)(x)
+    others = sorted(set(range(m)) - set(tokens.tolist()))
+    assert torch.equal(y[others], plain[others])              # rows without an adapter: the plain GEMM
+    assert not torch.equal(y[tokens], plain[tokens])
+
+
+def test_a_row_does_not_depend_on_its_batch():
+    a, bs, w, x, tokens, row_slots, ranks = case(6, 16, 576, [576, 192, 192], 40, seed=3)
+    weights, lin = c_lora.Weights(a, bs), gemm.Gemm(w)
+    y = lin(x, c_lora.LoraRows(tokens, row_slots, ranks, 40)(weights))
+    for i in (0, 7):
+        t = int(tokens[i])
+        alone = lin(x[t:t + 1], c_lora.LoraRows(torch.tensor([0]), row_slots[i:i + 1], ranks[i:i + 1], 1)(weights))
+        assert torch.equal(alone[0], y[t])
+
+
+def test_outputs_must_be_whole_vectors():
+    a = torch.zeros(2, 4, 1, 32, dtype=torch.bfloat16)
+    weights = c_lora.Weights(a, [torch.zeros(2, 4, 24, dtype=torch.bfloat16)])
+    assert not weights.fusable
+    with pytest.raises(AssertionError):
+        c_lora.LoraRows(torch.tensor([0]), torch.tensor([0]), torch.tensor([4]), 1)(weights)
