@@ -104,7 +104,8 @@ static void phase(const job *j, int c0, int c1, const lora_args *l, step_fn step
         const int target = sb + (int)((int64_t)(se - sb) * (task - tb + 1) / (te - tb));
         walker_reset(w);
         for (int i = done; i < target; i++) step(j, i, w, 1);
-        w->per_step = (int)((walker_lines(w) + j->K / 2 - 1) / (j->K / 2)) + 1;
+        const int64_t rounds = (j->K / 2 + PF_EVERY - 1) / PF_EVERY;   /* walker calls in a tile */
+        w->per_step = (int)((walker_lines(w) + rounds - 1) / rounds) + 1;
         run_tile(j, c0, c1, task, l, w);
         for (; done < target; done++) step(j, done, w, 0);
     }

@@ -9,6 +9,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#define PF_EVERY 8   /* k steps between two rounds of prefetches */
+
 /* Spreads software prefetches of a list of byte ranges over a tile's k steps (into L2), so that data a
  * memory-bound step needs next arrives while the tile computes. */
 #define WALK_MAX 1024
@@ -27,9 +29,14 @@ static inline void walker_add(walker *w, const void *p, int64_t bytes) {
 }
 
 static inline void walker_step(walker *w) {
-    for (int q = 0; q < w->per_step && w->i < w->n; q++) {
-        _mm_prefetch(w->ptr[w->i] + w->off, _MM_HINT_T1);
-        w->off += 64;
+    int q = w->per_step;
+    while (q > 0 && w->i < w->n) {
+        const char *p = w->ptr[w->i] + w->off;
+        const int64_t left = (w->len[w->i] - w->off + 63) / 64;
+        const int c = left < q ? (int)left : q;
+        for (int u = 0; u < c; u++) _mm_prefetch(p + 64 * u, _MM_HINT_T1);
+        w->off += 64 * c;
+        q -= c;
         if (w->off >= w->len[w->i]) { w->i++; w->off = 0; }
     }
 }
@@ -146,8 +153,11 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
         prefetch_init(&pf, l, &cm, m, mr, ncols);
     }
     for (int kp = 0; kp < K / 2; kp++) {
-        if (l) prefetch_step(&pf);
-        if (w) walker_step(w);
+        if ((kp & (PF_EVERY - 1)) == 0) {   /* prefetches every few k steps: the k loop stays dense */
+            if (l)
+                for (int q = 0; q < PF_EVERY; q++) prefetch_step(&pf);
+            if (w) walker_step(w);
+        }
         __m512bh w[NV];
         for (int j = 0; j < NV; j++) w[j] = (__m512bh)_mm512_loadu_si512(p + 32 * j);
         p += 2 * NB;
