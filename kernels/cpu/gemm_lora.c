@@ -92,24 +92,33 @@ static void expand_step(const job *j, int i, walker *w, int fetch) {
 
 typedef void (*step_fn)(const job *, int, walker *, int);
 
-/* this thread's tasks of a phase, with its memory-bound steps spread between them (each step's bytes
- * prefetched during the task before it) */
-static void phase(const job *j, int c0, int c1, const lora_args *l, step_fn step, walker *w) {
-    const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+#define GRAB 2   /* tiles a thread takes at a time */
+
+/* A phase's tiles, taken GRAB at a time from a shared counter (threads finish together whatever the
+ * memory does to one of them); tile t carries the memory-bound steps [nrows t / tiles, nrows (t + 1) /
+ * tiles), run after it, their bytes prefetched while it computes. Without tiles, the steps are split. */
+static void phase(const job *j, int c0, int c1, const lora_args *l, step_fn step, walker *w, int *next) {
     const int tasks = tile_count(j, c0, c1);
-    const int tb = (int)((int64_t)tasks * tid / nth), te = (int)((int64_t)tasks * (tid + 1) / nth);
-    const int sb = (int)((int64_t)j->nrows * tid / nth), se = (int)((int64_t)j->nrows * (tid + 1) / nth);
-    int done = sb;
-    for (int task = tb; task < te; task++) {
-        const int target = sb + (int)((int64_t)(se - sb) * (task - tb + 1) / (te - tb));
-        walker_reset(w);
-        for (int i = done; i < target; i++) step(j, i, w, 1);
-        const int64_t rounds = (j->K / 2 + PF_EVERY - 1) / PF_EVERY;   /* walker calls in a tile */
-        w->per_step = (int)((walker_lines(w) + rounds - 1) / rounds) + 1;
-        run_tile(j, c0, c1, task, l, w);
-        for (; done < target; done++) step(j, done, w, 0);
+    if (tasks == 0) {
+        const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
+        for (int i = j->nrows * tid / nth; i < j->nrows * (tid + 1) / nth; i++) step(j, i, w, 0);
+        return;
     }
-    for (; done < se; done++) step(j, done, w, 0);   /* no tasks of this phase on this thread */
+    const int64_t rounds = (j->K / 2 + PF_EVERY - 1) / PF_EVERY;   /* walker calls in a tile */
+    for (;;) {
+        int first;
+#pragma omp atomic capture
+        { first = *next; *next += GRAB; }
+        if (first >= tasks) break;
+        for (int task = first; task < first + GRAB && task < tasks; task++) {
+            const int s0 = (int)((int64_t)j->nrows * task / tasks), s1 = (int)((int64_t)j->nrows * (task + 1) / tasks);
+            walker_reset(w);
+            for (int i = s0; i < s1; i++) step(j, i, w, 1);
+            w->per_step = (int)((walker_lines(w) + rounds - 1) / rounds) + 1;
+            run_tile(j, c0, c1, task, l, w);
+            for (int i = s0; i < s1; i++) step(j, i, w, 0);
+        }
+    }
 }
 
 /* x [M, K], y [M, N] (rows at strides xs, ys), p: packed W; slot, rank: [M] (slot -1: no adapter); a, b,
@@ -143,7 +152,7 @@ int gemm_lora_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y
     j.split = (int)(a_share * j.nblocks + 0.5);
     if (j.split < 1) j.split = j.nblocks > 1 ? 1 : 0;
     if (j.split >= j.nblocks) j.split = j.nblocks - 1;
-    int failed = 0;
+    int failed = 0, next[2] = {0, 0};
 #pragma omp parallel
     {
         walker *w = (walker *)malloc(sizeof(walker));
@@ -153,9 +162,9 @@ int gemm_lora_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y
         }
 #pragma omp barrier
         if (!failed) {
-            phase(&j, 0, j.split, 0, shrink_step, w);
+            phase(&j, 0, j.split, 0, shrink_step, w, &next[0]);
 #pragma omp barrier
-            phase(&j, j.split, j.nblocks, &j.l, expand_step, w);
+            phase(&j, j.split, j.nblocks, &j.l, expand_step, w, &next[1]);
         }
         free(w);
     }
