@@ -9,7 +9,8 @@ received; when a new engine incarnation greets it, each request is sent again as
 tokens, asking only for the tokens still due, and its outputs carry on as one stream (usage counted
 against the original prompt). A request is resent once: if the engine dies again while it runs (a
 request that crashes the engine must not crash it forever), it fails with 503. Greedy requests continue
-greedily from the tokens received; sampled ones continue from a fresh random state.
+greedily from the tokens received; sampled ones continue from a fresh random state. A request made
+while the engine is down waits for it to come back (up to RESTART_WAIT) instead of failing.
 """
 from __future__ import annotations
 
@@ -98,6 +99,14 @@ class AsyncEngineClient:
     def healthy(self) -> bool:
         return time.monotonic() - self.last_heartbeat < HEARTBEAT_TIMEOUT
 
+    async def until_healthy(self) -> None:
+        """Return once the engine is heard from; while it is being restarted, wait for it, up to RESTART_WAIT
+        after its last heartbeat (then 503)."""
+        while not self.healthy:
+            if time.monotonic() - self.last_heartbeat > RESTART_WAIT:
+                raise EngineError("engine unavailable", 503)
+            await asyncio.sleep(0.05)
+
     async def _read(self) -> None:
         while True:
             for msg in decode_outputs(await self.sock.recv()):
@@ -161,9 +170,8 @@ class AsyncEngineClient:
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs (text deltas) until the one with finish_reason. Closing the
         generator early (`contextlib.aclosing`, cancellation, a dropped HTTP client) or closing the client
-        aborts the request in the engine."""
-        if not self.healthy:
-            raise EngineError("engine unavailable", 503)
+        aborts the request in the engine. A request made while the engine restarts waits for it."""
+        await self.until_healthy()
         rid = request_id or self.new_request_id()
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q

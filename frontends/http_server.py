@@ -126,9 +126,12 @@ class OpenAIServer:
             raise ApiError(400, "'model' is required and must be a string", "model")
         return None if model == self.client.status.model else model
 
-    def check_health(self) -> None:
-        if not self.client.healthy:
-            raise ApiError(503, "the engine is unavailable")
+    async def check_health(self) -> None:
+        """Wait out an engine restart (the client's RESTART_WAIT); 503 if the engine does not come back."""
+        try:
+            await self.client.until_healthy()
+        except EngineError:
+            raise ApiError(503, "the engine is unavailable") from None
 
     # -- generation -------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -143,7 +146,7 @@ class OpenAIServer:
         return await self.generate(request, body, ids, chat=True)
 
     async def generate(self, request: web.Request, body: dict, ids: list[int], chat: bool) -> web.StreamResponse:
-        self.check_health()
+        await self.check_health()
         adapter = self.adapter_for(body)
         limit = self.client.status.max_model_len
         if len(ids) >= limit:
@@ -257,14 +260,14 @@ class OpenAIServer:
         name = oai.field(body, "lora_name", str, required=True)
         path = oai.field(body, "lora_path", str, "")
         pinned = oai.field(body, "pinned", bool, False)
-        self.check_health()
+        await self.check_health()
         await self.client.load_adapter(name, path, pinned)
         return web.json_response({"status": "ok", "message": f"adapter {name!r} loaded"})
 
     async def unload_adapter(self, request: web.Request) -> web.Response:
         body = await self.body(request)
         name = oai.field(body, "lora_name", str, required=True)
-        self.check_health()
+        await self.check_health()
         await self.client.unload_adapter(name)
         return web.json_response({"status": "ok", "message": f"adapter {name!r} unloaded"})
 

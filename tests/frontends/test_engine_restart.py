@@ -8,6 +8,7 @@ import zmq
 import zmq.asyncio
 
 from engine.sampling_params import SamplingParams
+from frontends import engine_client
 from frontends.engine_client import AsyncEngineClient, EngineError
 from ipc.outputs import EngineStatus, RequestOutput, encode_outputs
 from ipc.requests import GenerateRequest, Hello, decode_request
@@ -22,11 +23,14 @@ class ScriptedEngine:
         self.incarnation = "first"
         self.client: bytes | None = None
         self.requests: asyncio.Queue = asyncio.Queue()
+        self.down = False             # drops everything, as a dead engine would
         self._task = asyncio.create_task(self._serve())
 
     async def _serve(self):
         while True:
             ident, data = await self.sock.recv_multipart()
+            if self.down:
+                continue
             self.client = ident
             msg = decode_request(data)
             if isinstance(msg, Hello):
@@ -95,6 +99,46 @@ async def test_a_request_in_flight_at_a_second_restart_fails_with_503():
     with pytest.raises(EngineError) as err:
         await asyncio.wait_for(task, 5)
     assert err.value.status == 503 and "twice" in str(err.value)
+    assert engine.requests.empty()
+    await client.close()
+    engine.close()
+
+
+@pytest.mark.asyncio
+async def test_a_request_made_while_the_engine_is_down_waits_for_it(monkeypatch):
+    monkeypatch.setattr(engine_client, "HEARTBEAT_TIMEOUT", 0.3)
+    engine = ScriptedEngine()
+    client = await AsyncEngineClient(engine.address).connect(timeout=10)
+    engine.down = True
+    while client.healthy:
+        await asyncio.sleep(0.05)
+    outs: list[RequestOutput] = []
+    task = asyncio.create_task(_collect(client.generate([1, 2], SamplingParams(max_tokens=2)), outs))
+    await asyncio.sleep(0.5)
+    assert not task.done() and engine.requests.empty()        # waiting, not failed, not sent
+    engine.down = False
+    await engine.restart()
+    req = await asyncio.wait_for(engine.requests.get(), 5)
+    assert req.prompt_token_ids == [1, 2]
+    await engine.send(RequestOutput(req.request_id, token_ids=[7, 8], finish_reason="length"))
+    await asyncio.wait_for(task, 5)
+    assert [o.token_ids for o in outs] == [[7, 8]]
+    assert engine.requests.empty()                             # sent once
+    await client.close()
+    engine.close()
+
+
+@pytest.mark.asyncio
+async def test_an_engine_that_does_not_come_back_fails_the_request_with_503(monkeypatch):
+    monkeypatch.setattr(engine_client, "HEARTBEAT_TIMEOUT", 0.3)
+    monkeypatch.setattr(engine_client, "RESTART_WAIT", 1.0)
+    engine = ScriptedEngine()
+    client = await AsyncEngineClient(engine.address).connect(timeout=10)
+    engine.down = True
+    with pytest.raises(EngineError) as err:
+        async for _ in client.generate([1], SamplingParams(max_tokens=2)):
+            pass
+    assert err.value.status == 503
     assert engine.requests.empty()
     await client.close()
     engine.close()
