@@ -109,7 +109,7 @@ class ModelRunner:
         reqs = [out.requests[r] for r in inp.sample_rows]
         if self.capture_logits is not None:
             for req, row in zip(reqs, logits):
-                self.capture_logits[req.request_id] = row.float()
+                self.capture_logits[req.request_id] = row.clone()
         params = [r.params for r in reqs]
         tokens = self.sampler.sample(logits, [r.request_id for r in reqs], params)
         self.last_logprobs = {row: lp for row, lp in zip(inp.sample_rows, logprobs(logits, tokens, params))

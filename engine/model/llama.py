@@ -89,8 +89,7 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
                 lora: LoraHook | None = None) -> torch.Tensor:
-        """input_ids, positions: [T]; logits_indices: [S] rows to project -> logits [S, vocab] in the model
-        dtype (greedy sampling reads them as they are; sampling and logprobs convert the rows they use)."""
+        """input_ids, positions: [T]; logits_indices: [S] rows to project -> logits [S, vocab] fp32."""
         cfg, ops = self.cfg, self.ops
         x = F.embedding(input_ids, self.w.embed)                     # [T, H]
         cos, sin = self.rope.cos[positions], self.rope.sin[positions]   # [T, head_dim]
@@ -112,4 +111,4 @@ class LlamaModel:
             down = project(layer.down, i, "down", act, lora)
             x = x + down
         x = ops.rms_norm(x[logits_indices], self.w.norm, cfg.rms_norm_eps)
-        return self.w.lm_head(x)
+        return self.w.lm_head(x).float()
