@@ -39,6 +39,12 @@ class TorchOps:
     rms_norm = staticmethod(rms_norm)
 
     @staticmethod
+    def add_rms_norm(x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x += d in place (the residual stream), then rms_norm(x)."""
+        x.add_(d)
+        return rms_norm(x, weight, eps)
+
+    @staticmethod
     def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -53,6 +59,7 @@ class TorchOps:
 
 class CFusedOps:
     rms_norm = staticmethod(elementwise.rms_norm)
+    add_rms_norm = staticmethod(elementwise.add_rms_norm)
     silu_mul = staticmethod(elementwise.silu_mul)
 
     @staticmethod
@@ -91,24 +98,27 @@ class LlamaModel:
                 lora: LoraHook | None = None) -> torch.Tensor:
         """input_ids, positions: [T]; logits_indices: [S] rows to project -> logits [S, vocab] fp32."""
         cfg, ops = self.cfg, self.ops
-        x = F.embedding(input_ids, self.w.embed)                     # [T, H]
+        x = F.embedding(input_ids, self.w.embed)                     # [T, H], the residual stream
         cos, sin = self.rope.cos[positions], self.rope.sin[positions]   # [T, head_dim]
-        for i, layer in enumerate(self.w.layers):
-            h = ops.rms_norm(x, layer.input_norm, cfg.rms_norm_eps)
+        layers = self.w.layers
+        h = ops.rms_norm(x, layers[0].input_norm, cfg.rms_norm_eps)
+        for i, layer in enumerate(layers):
             qkv = project(layer.qkv, i, "qkv", h, lora)           # [T, q + 2kv]
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = ops.rope(self.rope, q.view(-1, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = ops.rope(self.rope, k.view(-1, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+            q_k = qkv[:, : cfg.q_size + cfg.kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            q_k = ops.rope(self.rope, q_k, cos, sin)                # q and k heads in one pass
+            q, k = q_k.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+            v = qkv[:, cfg.q_size + cfg.kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_caches[i]
             ops.write_kv(k_cache, v_cache, k, v, meta)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale).flatten(1)  # [T, q]
             o = project(layer.o, i, "o", attn, lora)
-            x = x + o
-            h = ops.rms_norm(x, layer.post_norm, cfg.rms_norm_eps)
+            h = ops.add_rms_norm(x, o, layer.post_norm, cfg.rms_norm_eps)         # x += o
             gate_up = project(layer.gate_up, i, "gate_up", h, lora)  # [T, 2I]
             act = ops.silu_mul(gate_up)                               # [T, I]
             down = project(layer.down, i, "down", act, lora)
-            x = x + down
+            if i + 1 < len(layers):
+                h = ops.add_rms_norm(x, down, layers[i + 1].input_norm, cfg.rms_norm_eps)   # x += down
+            else:
+                x += down
         x = ops.rms_norm(x[logits_indices], self.w.norm, cfg.rms_norm_eps)
         return self.w.lm_head(x).float()

@@ -3,6 +3,7 @@
  * a bf16 result is rounded to nearest even wherever the torch version stores a bf16 tensor.
  *
  * rms_norm:  out[t] = w * to_dtype(x[t] / sqrt(mean(x[t]^2) + eps))      x, out: [T, H] rows at a stride
+ * add_rms_norm: x[t] <- to_dtype(x[t] + d[t]) in place (the residual add), then out[t] = rms_norm(x[t])
  * silu_mul:  out[t, i] = silu(gu[t, i]) * gu[t, I + i]                    gu: [T, 2I]; out: [T, I]
  * rope:      x[t, h] <- x * cos[t] + rotate_half(x) * sin[t] in place     x: [T, heads, d]; cos, sin: [T, d]
  * write_kv:  the K and V rows ([T, n] at a stride) of token t into page pages[t], row offs[t] of the
@@ -26,6 +27,24 @@ void rms_norm_##SUFFIX(const T *x, int64_t x_stride, const T *w, T *out, int64_t
         float ss = 0.f;                                                                                       \
         _Pragma("omp simd reduction(+:ss)")                                                                   \
         for (int i = 0; i < H; i++) { const float v = LOAD(xt[i]); ss += v * v; }                            \
+        const float inv = 1.f / sqrtf(ss / H + eps);                                                          \
+        T *ot = out + t * out_stride;                                                                         \
+        for (int i = 0; i < H; i++) ot[i] = STORE(LOAD(w[i]) * ROUND(LOAD(xt[i]) * inv));                     \
+    }                                                                                                         \
+}                                                                                                             \
+                                                                                                              \
+void add_rms_norm_##SUFFIX(T *x, int64_t x_stride, const T *d, int64_t d_stride, const T *w, T *out,             \
+                           int64_t out_stride, int64_t rows, int H, float eps) {                              \
+    _Pragma("omp parallel for schedule(static)")                                                              \
+    for (int64_t t = 0; t < rows; t++) {                                                                      \
+        T *xt = x + t * x_stride;                                                                             \
+        const T *dt = d + t * d_stride;                                                                       \
+        float ss = 0.f;                                                                                       \
+        for (int i = 0; i < H; i++) {                                                                         \
+            xt[i] = STORE(LOAD(xt[i]) + LOAD(dt[i]));                                                         \
+            const float v = LOAD(xt[i]);                                                                      \
+            ss += v * v;                                                                                      \
+        }                                                                                                     \
         const float inv = 1.f / sqrtf(ss / H + eps);                                                          \
         T *ot = out + t * out_stride;                                                                         \
         for (int i = 0; i < H; i++) ot[i] = STORE(LOAD(w[i]) * ROUND(LOAD(xt[i]) * inv));                     \

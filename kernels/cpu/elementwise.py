@@ -1,4 +1,5 @@
-"""ctypes binding of the fused elementwise ops (elementwise.c): rms_norm, silu_mul, rope_, write_kv.
+"""ctypes binding of the fused elementwise ops (elementwise.c): rms_norm, add_rms_norm, silu_mul, rope_,
+write_kv.
 
 Each equals the torch expression named in its docstring, rounding included. Requires supports(dtype).
 """
@@ -11,7 +12,8 @@ import torch
 from kernels.cpu.build import load_functions
 
 _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_SIGS = {"rms_norm": [_P, _I64, _P, _P, _I64, _I64, _I, _F], "silu_mul": [_P, _I64, _P, _I64, _I64, _I],
+_SIGS = {"rms_norm": [_P, _I64, _P, _P, _I64, _I64, _I, _F],
+         "add_rms_norm": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I, _F], "silu_mul": [_P, _I64, _P, _I64, _I64, _I],
          "rope": [_P, _I64, _I64, _I, _I, _P, _P]}
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _FNS: dict | None | bool = False   # False until first use
@@ -50,6 +52,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     _fns()[("rms_norm", x.dtype)](x.data_ptr(), x.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
                                   x.shape[0], x.shape[1], eps)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """In place x += d (the residual add, rounded as torch's), then return rms_norm(x, weight, eps)."""
+    _rows(x)
+    _rows(d)
+    assert d.shape == x.shape and d.dtype == x.dtype
+    assert weight.is_contiguous() and weight.dtype == x.dtype and weight.shape == x.shape[1:]
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _fns()[("add_rms_norm", x.dtype)](x.data_ptr(), x.stride(0), d.data_ptr(), d.stride(0), weight.data_ptr(),
+                                      out.data_ptr(), out.stride(0), x.shape[0], x.shape[1], eps)
     return out
 
 

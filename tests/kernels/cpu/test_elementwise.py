@@ -31,6 +31,19 @@ def test_rms_norm(dtype, tol):
 
 
 @pytest.mark.parametrize("dtype,tol", DTYPES)
+def test_add_rms_norm_adds_in_place_then_normalises(dtype, tol):
+    x, d = rows(37, 576, dtype), rows(37, 576, dtype, seed=2)
+    w = rows(1, 576, dtype, seed=1)[0]
+    summed = x + d
+    out = ew.add_rms_norm(x, d, w, 1e-5)
+    assert torch.equal(x, summed)                              # the residual add, rounded as torch's
+    torch.testing.assert_close(out, ew.rms_norm(summed, w, 1e-5), atol=0, rtol=0)
+    base, before = rows(37, 1152, dtype), rows(37, 1152, dtype)          # rows at a stride, both operands
+    ew.add_rms_norm(base[:, :576], torch.cat([d, d], 1)[:, 576:], w, 1e-5)
+    assert torch.equal(base[:, :576], before[:, :576] + d) and torch.equal(base[:, 576:], before[:, 576:])
+
+
+@pytest.mark.parametrize("dtype,tol", DTYPES)
 def test_silu_mul(dtype, tol):
     gu = rows(19, 2 * 96, dtype)
     gate, up = gu.chunk(2, dim=-1)
