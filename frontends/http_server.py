@@ -146,7 +146,6 @@ class OpenAIServer:
         return await self.generate(request, body, ids, chat=True)
 
     async def generate(self, request: web.Request, body: dict, ids: list[int], chat: bool) -> web.StreamResponse:
-        await self.check_health()
         adapter = self.adapter_for(body)
         limit = self.client.status.max_model_len
         if len(ids) >= limit:
@@ -158,6 +157,7 @@ class OpenAIServer:
             raise ApiError(400, "'cache_salt' must be a string", "cache_salt")
         n = oai.choice_count(body)
         stream = oai.field(body, "stream", bool, False)
+        await self.check_health()      # a bad request is answered at once, also while the engine restarts
         rid = oai.new_id("chatcmpl" if chat else "cmpl")
         model = body["model"]
         gens = Merged([self.client.generate(ids, _choice_params(params, i), adapter, salt, stream=stream,

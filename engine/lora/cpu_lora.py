@@ -5,9 +5,9 @@ Tokens are grouped once per step (`LoraBatch.build`). Decode tokens (the first `
 request) go to the C kernel (kernels/cpu/lora_decode.c): one task per token that streams its adapter's
 own rank of A and B once, in fp32, so a decode token's delta never depends on who shares the step or
 its adapter. In bf16 with the C GEMM, the GEMM computes those tokens' LoRA itself (`fused`,
-kernels/cpu/gemm_lora.c): the adapters' bytes stream in while it computes. In bf16 on CPUs with AVX512-BF16, prefill tokens go to its segment kernel (tokens grouped
-by adapter, 4 at a time per weight load, each token still computed on its own). Otherwise prefill
-tokens are grouped by slot; slots are bucketed by their token count (1, <= 8, more)
+kernels/cpu/gemm_lora.c): the adapters' bytes stream in while it computes. In bf16 on CPUs with
+AVX512-BF16, prefill tokens go to its segment kernel (tokens grouped by adapter, 4 at a time per weight
+load, each token still computed on its own). Otherwise prefill tokens are grouped by slot; slots are bucketed by their token count (1, <= 8, more)
 so that a bucket pads each slot's tokens to at most a few times their number, and each bucket runs as
 batched matmuls over its slots: one shrink per fused group and one expand per module, read in place
 when the bucket's tokens are one run of rows, gathered otherwise. Without a C compiler decode tokens
@@ -71,10 +71,9 @@ class LoraBatch:
         if not active:
             return None
         slot_rank = {s: slots.rank_of[a] for a, s in slots.slot_of.items()}
-        decode = None
+        decode = fused_rows = None
         if use_c_kernel(slots):
             pairs = [(t, s) for t, s in enumerate(token_slots[:num_decode]) if s >= 0]
-            fused_rows = None
             if pairs:
                 index = (torch.tensor([t for t, _ in pairs]), torch.tensor([s for _, s in pairs]),
                          torch.tensor([slot_rank[s] for _, s in pairs]))
@@ -97,7 +96,7 @@ class LoraBatch:
             cls_ = next((i for i, lim in enumerate(BUCKET_LIMITS) if len(toks) <= lim), len(BUCKET_LIMITS))
             groups.setdefault(cls_, []).append(s)
         buckets = [_bucket(g, per_slot) for g in groups.values()]
-        return cls(slots, buckets, decode, rank, modules, fused_rows=fused_rows if use_c_kernel(slots) else None)
+        return cls(slots, buckets, decode, rank, modules, fused_rows=fused_rows)
 
     def fused(self, layer: int, group: str, x: torch.Tensor) -> GemmLora | None:
         """The decode tokens' LoRA for a C base GEMM to compute itself (c_gemm.GemmLora), or None; after

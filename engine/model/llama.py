@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.model.attention import AttentionMetadata, paged_attention, write_kv
+from engine.model.linear import Linear
 from engine.model.rope import Rope
 from engine.model.weights import LlamaWeights
-from engine.model.linear import Linear
 from kernels.cpu import elementwise
 from kernels.cpu.gemm import GemmLora
 

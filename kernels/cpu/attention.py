@@ -62,7 +62,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 # --- the paired block layout (paired_attention.c): bf16 K/V stored as vdpbf16ps consumes them ----------
 
-_PAIRED_ARGS = _ARGS
 _WRITE_ARGS = [_P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _I64, _I, _I, _I]
 _PAIRED: dict | None | bool = False
 
@@ -72,12 +71,11 @@ def _paired_fns():
     if _PAIRED is False:
         _PAIRED = None
         if has_avx512_bf16():
-            attn = load_functions("paired_attention", {0: "paired_attention_bf16"}, _PAIRED_ARGS)
+            attn = load_functions("paired_attention", {0: "paired_attention_bf16"}, _ARGS)
             write = load_functions("paired_attention", {0: "write_kv_paired_bf16"}, _WRITE_ARGS)
             if attn is not None and write is not None:
                 _PAIRED = {"attention": attn[0], "write": write[0]}
     return _PAIRED
-
 
 
 def paired_supported(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:

@@ -8,8 +8,9 @@
  *   2. (after a barrier) the other blocks' tiles, which add their rows' expand before rounding (the
  *      epilogue of gemm_tile.h), and between them the expand of phase 1's columns into y (y rounded
  *      twice there, as an unfused LoRA does).
- * While a task's tiles compute, the bytes of the memory-bound steps that follow it are prefetched (one
- * walker step per k step). Phase 1's share of the columns follows A's share of the adapter bytes.
+ * Threads take tiles GRAB at a time from a shared counter; each tile carries its share of the memory-
+ * bound steps, run after it, whose bytes are prefetched while it computes (gemm_tile.h's walker). Phase
+ * 1's share of the columns follows A's share of the adapter bytes.
  * Every row is computed on its own: results never depend on the rest of the batch.
  */
 #include <omp.h>
@@ -29,16 +30,14 @@ typedef struct {
     int nrows;
     const uint16_t *a;
     int64_t a_slot_stride;
-    int R;
     lora_args l;
     float *v;
     int64_t v_stride;
     int split;                /* column blocks [0, split) are phase 1's */
 } job;
 
-/* A phase's tasks are single tiles, ordered by row block, then column block in [c0, c1), then row tile:
- * the tiles of a column block run back to back (its packed weights stay in L2) and the threads' shares
- * differ by at most one tile. */
+/* A phase's tasks are single tiles, ordered by row block, then column block in [c0, c1), then row tile,
+ * so that the tiles of a column block run close together (its packed weights stay in L2). */
 static int tile_count(const job *j, int c0, int c1) {
     return (j->M + MR - 1) / MR * (c1 - c0);   /* row blocks but the last hold whole tiles (mc % MR == 0) */
 }
@@ -144,7 +143,7 @@ int gemm_lora_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y
         if (rank[t] < 0 || rank[t] > R) { free(rows); return -3; }
         rows[nrows++] = t;
     }
-    job j = {x, p, y, xs, ys, M, K, N, (N + NB - 1) / NB, (M + MC - 1) / MC, 0, rows, nrows, a, a_slot_stride, R,
+    job j = {x, p, y, xs, ys, M, K, N, (N + NB - 1) / NB, (M + MC - 1) / MC, 0, rows, nrows, a, a_slot_stride,
              {slot, rank, v, v_stride, G, b, b_slot_stride, out}, v, v_stride, 0};
     j.mc = ((M + j.mblocks - 1) / j.mblocks + MR - 1) / MR * MR;
     /* phase 1 gets A's share of the adapters' bytes in columns (at least one block, when there are two) */

@@ -131,16 +131,16 @@ static inline void prefetch_step(lora_prefetch *pf) {
     while (pf->r < pf->mr && pf->k >= pf->rank[pf->r]) { pf->r++; pf->k = 0; }
     if (pf->r >= pf->mr) return;
     _mm_prefetch(pf->base[pf->r][0] + pf->k * pf->stride[pf->r][0], _MM_HINT_T1);
-    _mm_prefetch(pf->base[pf->r][1] + pf->k * pf->stride[pf->r][1] + 30, _MM_HINT_T1);
+    _mm_prefetch(pf->base[pf->r][1] + pf->k * pf->stride[pf->r][1] + 30, _MM_HINT_T1);   /* its last bytes */
     pf->k++;
 }
 
 /* y rows [0, mr) x columns [0, ncols) of one block; with l, rows m.. of the call get their LoRA deltas
- * (their B lines prefetched one per k step while the tile computes) before the single rounding; with w,
- * one walker step per k step */
+ * before the single rounding (their B lines prefetched while the tile computes); with walk, a walker
+ * step every PF_EVERY k steps */
 static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y,
                                                        int64_t ys, int K, int mr, int ncols, const lora_args *l,
-                                                       int64_t m, int c0, walker *w) {
+                                                       int64_t m, int c0, walker *walk) {
     __m512 acc[MR][NV];
     for (int r = 0; r < MR; r++)
         for (int j = 0; j < NV; j++) acc[r][j] = _mm512_setzero_ps();
@@ -156,7 +156,7 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
         if ((kp & (PF_EVERY - 1)) == 0) {   /* prefetches every few k steps: the k loop stays dense */
             if (l)
                 for (int q = 0; q < PF_EVERY; q++) prefetch_step(&pf);
-            if (w) walker_step(w);
+            if (walk) walker_step(walk);
         }
         __m512bh w[NV];
         for (int j = 0; j < NV; j++) w[j] = (__m512bh)_mm512_loadu_si512(p + 32 * j);
@@ -178,8 +178,8 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
     for (int r = 0; r < mr; r++)
         for (int j = 0; j < NV && 16 * j < ncols; j++) {
             const int c16 = ncols - 16 * j;
-            const __mmask16 m = c16 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << c16) - 1);
-            _mm256_mask_storeu_epi16(y + r * ys + 16 * j, m, (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
+            const __mmask16 mask = c16 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << c16) - 1);
+            _mm256_mask_storeu_epi16(y + r * ys + 16 * j, mask, (__m256i)_mm512_cvtneps_pbh(acc[r][j]));
         }
 }
 

@@ -1,8 +1,9 @@
-"""ctypes binding of the C multi-LoRA kernel for tokens alone in their slot (lora_decode.c).
+"""ctypes bindings of the C multi-LoRA kernels (lora_decode.c) and of what the bf16 GEMM needs to compute
+decode tokens' LoRA itself (gemm_lora.c).
 
-A `LoraDecode` is prepared once per step for a set of (token, slot, rank) triples and then called for
-every layer and fused group; weight pointers are cached per buffer view, so a call costs a few
-microseconds of Python.
+A `LoraDecode` (decode tokens), `LoraSegments` (prefill tokens grouped by adapter) or `LoraRows` (decode
+tokens, for the GEMM) is prepared once per step and then used for every layer and fused group; weight
+pointers are cached per buffer view (`Weights`), so a call costs a few microseconds of Python.
 """
 from __future__ import annotations
 

@@ -240,7 +240,7 @@ def test_kill_9_of_a_frontend_frees_its_requests_and_it_is_restarted(server):
 
 def test_a_request_made_while_the_engine_is_unavailable_waits_for_it(server, client):
     """/health says 503 while the engine does not answer; a completion asked for then is held (not
-    failed) and answered once the engine is back."""
+    failed) and answered once the engine is back; an invalid one is refused at once."""
     import os
     import signal
     import threading
@@ -253,6 +253,9 @@ def test_a_request_made_while_the_engine_is_unavailable_waits_for_it(server, cli
             server.url + "/v1/completions", json={"model": BASE, "prompt": "Hi", "max_tokens": 2}, headers=AUTH,
             timeout=120)))
         t.start()
+        bad = requests.post(server.url + "/v1/completions", json={"model": BASE, "prompt": "Hi", "max_tokens": 0},
+                            headers=AUTH, timeout=10)           # a bad request is not held: 400 at once
+        assert bad.status_code == 400 and "max_tokens" in bad.text
         time.sleep(2)
         assert t.is_alive() and not result
     finally:
