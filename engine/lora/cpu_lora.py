@@ -52,6 +52,7 @@ class LoraBatch:
     def __init__(self, slots: LoraSlots, buckets: list[Bucket], decode: c_lora.LoraDecode | None, rank: int,
                  modules: frozenset[str], segments: c_lora.LoraSegments | None = None,
                  fused_rows: c_lora.LoraRows | None = None):
+        self.slots = slots
         self.buf = slots.buf
         self.weights = slots.c_weights
         self.buckets = buckets       # prefill tokens (and decode tokens without the C kernel)
@@ -130,13 +131,13 @@ class LoraBatch:
         if bk.rows is not None:
             yv, col = y[bk.rows].view(sb, tb, -1), 0
             for i, b in enumerate(b_names):
-                w = self.buf[b][layer, bk.slots][:, :r]                                 # [Sb, r, out_i]
+                w = self.slots.b_rows(b, layer, bk.slots, r)                            # [Sb, r, out_i]
                 # NOTE: baddbmm_ into the strided column block of y: no [Sb, Tb, out_i] temporary
                 # (measured 2.5x faster than bmm + add).
                 yv[:, :, col:col + w.shape[2]].baddbmm_(v[..., i], w)
                 col += w.shape[2]
             return
-        outs = [torch.bmm(v[..., i], self.buf[b][layer, bk.slots][:, :r])               # [Sb, Tb, out_i]
+        outs = [torch.bmm(v[..., i], self.slots.b_rows(b, layer, bk.slots, r))          # [Sb, Tb, out_i]
                 for i, b in enumerate(b_names)]
         out = outs[0] if g == 1 else torch.cat(outs, dim=2)
         out = torch.index_select(out.reshape(sb * tb, -1), 0, bk.valid)                # [n_valid, out]

@@ -5,7 +5,9 @@ from its pages through the page table when the adapter starts running, laid out 
 is a few batched matmuls over slots. Rows past an adapter's rank are zero; B is pre-multiplied by the
 module's scale and stored transposed. Per layer l (R = max_lora_rank, S = max_loras), both are
 rank-major, so that a[l, s, :r] is one contiguous [r * g, in] matrix and b[l, s, :r] one contiguous
-[r, out] matrix for any r <= R (an adapter of rank r streams exactly its own bytes):
+[r, out] matrix for any r <= R (an adapter of rank r streams exactly its own bytes). Where the bf16 C
+kernels read B two ranks at a time (`paired`, kernels/cpu/lora_bf16.h), each B is [S, ceil(R / 2), out, 2]
+instead (`b_rows` gives [r, out] in either layout):
     a_qkv[l]: [S, R, 3, H]   b_q[l]: [S, R, q]   b_k[l], b_v[l]: [S, R, kv]
     a_o[l]:   [S, R, 1, q]   b_o[l]: [S, R, H]
     a_gu[l]:  [S, R, 2, H]   b_g[l], b_u[l]: [S, R, I]
@@ -36,9 +38,11 @@ class LoraSlots:
     def __init__(self, lora: LoraConfig, m: ModelConfig):
         S, R, L, H, I = lora.max_loras, lora.max_lora_rank, m.num_layers, m.hidden_size, m.intermediate_size
         z = lambda *shape: huge_zeros(L, S, *shape, dtype=m.dtype)   # noqa: E731
-        self.buf = {"a_qkv": z(R, 3, H), "b_q": z(R, m.q_size), "b_k": z(R, m.kv_size), "b_v": z(R, m.kv_size),
-                    "a_o": z(R, 1, m.q_size), "b_o": z(R, H), "a_gu": z(R, 2, H), "b_g": z(R, I), "b_u": z(R, I),
-                    "a_d": z(R, 1, I), "b_d": z(R, H)}
+        self.paired = c_lora.pairs_b(m.dtype) and c_lora.fits(R, max(H, m.q_size, I))
+        zb = (lambda out: z((R + 1) // 2, out, 2)) if self.paired else (lambda out: z(R, out))   # noqa: E731
+        self.buf = {"a_qkv": z(R, 3, H), "b_q": zb(m.q_size), "b_k": zb(m.kv_size), "b_v": zb(m.kv_size),
+                    "a_o": z(R, 1, m.q_size), "b_o": zb(H), "a_gu": z(R, 2, H), "b_g": zb(I), "b_u": zb(I),
+                    "a_d": z(R, 1, I), "b_d": zb(H)}
         self.num_slots = S
         self.dtype = m.dtype
         self.max_rank = R
@@ -55,8 +59,15 @@ class LoraSlots:
         w = self._c_weights.get(key)
         if w is None:
             a_name, b_names, _ = GROUPS[group]
-            w = self._c_weights[key] = c_lora.Weights(self.buf[a_name][layer], [self.buf[b][layer] for b in b_names])
+            w = self._c_weights[key] = c_lora.Weights(self.buf[a_name][layer], [self.buf[b][layer] for b in b_names],
+                                                      self.paired)
         return w
+
+    def b_rows(self, name: str, layer: int, slots: slice | torch.Tensor | int, r: int) -> torch.Tensor:
+        """The first r rows of B buffer `name` (Bt, pre-scaled) of some slots: [..., r, out] whatever the layout
+        (a view of the plain layout, a copy of the paired one)."""
+        b = self.buf[name][layer, slots]
+        return c_lora.unpair_rows(b[..., : (r + 1) // 2, :, :])[..., :r, :] if self.paired else b[..., :r, :]
 
     def has(self, adapter_id: int) -> bool:
         return adapter_id in self.slot_of
@@ -84,7 +95,11 @@ class LoraSlots:
             a, b = unpack_module(flat, s)
             a_name, idx, b_name = SLOT_OF_MODULE[module]
             self.buf[a_name][layer, slot, : s.rank, idx].copy_(a)
-            self.buf[b_name][layer, slot, : s.rank].copy_((b * s.scale).T)
+            bt = (b * s.scale).T                                                 # [r, out]
+            if self.paired:
+                self.buf[b_name][layer, slot, : (s.rank + 1) // 2].copy_(c_lora.pair_rows(bt))
+            else:
+                self.buf[b_name][layer, slot, : s.rank].copy_(bt)
         self.slot_of[adapter_id] = slot
         self.rank_of[adapter_id] = max(s.rank for s in layout.modules.values())
         self.modules_of[adapter_id] = frozenset(module for _, module in layout.modules)

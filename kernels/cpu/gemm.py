@@ -42,13 +42,15 @@ class GemmLora:
     """The multi-LoRA of some rows, for Gemm.__call__ to compute inside the GEMM (gemm_lora.c): row t with
     slot[t] >= 0 gets y[t, cols of output g] += b_g[slot, :r]^T @ (a[slot, :r, g] @ x[t]), r = rank[t].
     slot, rank: [M] int64; a: [S, R, G, K] (rows contiguous); b_ptrs, b_strides, outs: ctypes arrays of
-    the G outputs' [S, R, out_g] buffers (slot stride in elements; out_g multiples of 16, summing to N)."""
+    the G outputs' paired [S, ceil(R / 2), out_g, 2] buffers (slot stride in elements; out_g multiples of
+    16, summing to N; see kernels/cpu/lora_bf16.h)."""
     slot: torch.Tensor
     rank: torch.Tensor
     a: torch.Tensor
     b_ptrs: object
     b_strides: object
     outs: object
+    owner: object = None   # what keeps the buffers behind b_ptrs alive (the lora.Weights)
 
 
 def supports(dtype: torch.dtype, in_features: int) -> bool:
@@ -92,7 +94,7 @@ class Gemm:
             _, r, g, k = lora.a.shape
             assert lora.slot.shape == lora.rank.shape == (m,) and k == self.in_features
             assert lora.a.stride()[1:] == (g * k, k, 1) and lora.a.dtype == torch.bfloat16
-            v = torch.empty(m, r * g, dtype=torch.float32)      # the shrink's results (scratch)
+            v = torch.empty(m, (r + 1) // 2 * g, dtype=torch.int32)   # the shrink's results as bf16 pairs (scratch)
             rc = _fns()["lora"](*args, lora.slot.data_ptr(), lora.rank.data_ptr(), lora.a.data_ptr(), lora.a.stride(0),
                                 r, g, lora.b_ptrs, lora.b_strides, lora.outs, v.data_ptr(), v.stride(0))
         if rc != 0:

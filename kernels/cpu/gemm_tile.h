@@ -53,13 +53,14 @@ static inline int64_t walker_lines(const walker *w) {
 #define MC 96             /* rows per task at most: the task's x rows stay in L2 */
 
 /* Multi-LoRA deltas added in the tile epilogue (gemm_lora_bf16): row t of the call gets
- *     y[t, c] += sum_k v[t][k * G + g] * b[g][slot[t]][k][c - start_g]   for k < rank[t]
+ *     y[t, c] += sum_k v_t[k, g] * Bt[g][slot[t]][k][c - start_g]   for k < rank[t]
  * for every column c of output g (outputs side by side, each a multiple of 16 columns); slot[t] < 0: none.
- * b[g] + s * b_slot_stride[g] is [R, out[g]] rank-major (B transposed and pre-scaled, as the LoRA slots). */
+ * b[g] + s * b_slot_stride[g] is Bt in lora_bf16.h's paired layout [ceil(R / 2)][out[g]][2] (B transposed
+ * and pre-scaled, as the LoRA slots); vp + t * vp_stride holds row t's v as bf16 pairs, vp[kk * G + g]. */
 typedef struct {
     const int64_t *slot, *rank;
-    const float *v;
-    int64_t v_stride;
+    const uint32_t *vp;
+    int64_t vp_stride;
     int G;
     const uint16_t *const *b;
     const int64_t *b_slot_stride, *out;
@@ -80,58 +81,63 @@ static inline col_map map_columns(const lora_args *l, int c0, int ncols) {
     return cm;
 }
 
-/* acc rows [0, mr) x columns [c0, c0 + ncols) (fp32, row stride NB) += the LoRA deltas of those rows */
+/* vector j's first pair row of row r's B: 16 columns x 2 ranks, one 64-byte line; pair rows 2 out[g] apart */
+static inline const uint16_t *pair_base(const lora_args *l, const col_map *cm, int64_t s, int j) {
+    const int g = cm->g[j];
+    return l->b[g] + s * l->b_slot_stride[g] + 2 * (int64_t)cm->off[j];
+}
+
+/* acc rows [0, mr) x columns [c0, c0 + ncols) (fp32, row stride NB) += the LoRA deltas of those rows, on
+ * vdpbf16ps: one instruction adds two ranks into 16 columns */
 static inline void lora_epilogue(const lora_args *l, const col_map *cm, int64_t m, int mr, int ncols, float *acc) {
     for (int r = 0; r < mr; r++) {
         const int64_t s = l->slot[m + r];
         if (s < 0) continue;
-        const int rk = (int)l->rank[m + r], G = l->G;
-        const float *v = l->v + (m + r) * l->v_stride;
+        const int P = ((int)l->rank[m + r] + 1) / 2, G = l->G;
+        const uint32_t *vp = l->vp + (m + r) * l->vp_stride;
         for (int j = 0; 16 * j < ncols; j++) {
             const int g = cm->g[j];
-            const int64_t o = l->out[g];
-            const uint16_t *bp = l->b[g] + s * l->b_slot_stride[g] + cm->off[j];
-            const float *vg = v + g;
+            const int64_t step = 2 * l->out[g];
+            const uint16_t *bp = pair_base(l, cm, s, j);
+            const uint32_t *vg = vp + g;
             __m512 a0 = _mm512_loadu_ps(acc + r * NB + 16 * j), a1 = _mm512_setzero_ps();
-            int k = 0;
-            for (; k + 2 <= rk; k += 2, bp += 2 * o) {   /* two chains: half the FMA latency */
-                a0 = _mm512_fmadd_ps(_mm512_set1_ps(vg[k * G]), _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)bp)), a0);
-                a1 = _mm512_fmadd_ps(_mm512_set1_ps(vg[(k + 1) * G]), _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)(bp + o))), a1);
+            int kk = 0;
+            for (; kk + 2 <= P; kk += 2, bp += 2 * step) {   /* two chains: half the latency */
+                a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(bp), (__m512bh)_mm512_set1_epi32((int)vg[kk * G]));
+                a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(bp + step), (__m512bh)_mm512_set1_epi32((int)vg[(kk + 1) * G]));
             }
-            if (k < rk)
-                a0 = _mm512_fmadd_ps(_mm512_set1_ps(vg[k * G]), _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256((const __m256i *)bp)), a0);
+            if (kk < P)
+                a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(bp), (__m512bh)_mm512_set1_epi32((int)vg[kk * G]));
             _mm512_storeu_ps(acc + r * NB + 16 * j, _mm512_add_ps(a0, a1));
         }
     }
 }
 
-/* Walks the B rows a tile's epilogue will read, one (row, rank) per call: both ends of its 16 NV columns. */
+/* Walks the B lines a tile's epilogue will read, one (row, rank pair) per call: one line per vector. */
 typedef struct {
-    const char *base[MR][2];
-    int64_t stride[MR][2];
-    int rank[MR], r, k, mr;
+    const char *base[MR][NV];
+    int64_t stride[MR][NV];
+    int pairs[MR], r, k, mr, nv;
 } lora_prefetch;
 
 static inline void prefetch_init(lora_prefetch *pf, const lora_args *l, const col_map *cm, int64_t m, int mr, int ncols) {
-    const int last = (ncols - 1) / 16;
     pf->r = pf->k = 0;
     pf->mr = mr;
+    pf->nv = (ncols + 15) / 16;
     for (int r = 0; r < mr; r++) {
         const int64_t s = l->slot[m + r];
-        pf->rank[r] = s < 0 ? 0 : (int)l->rank[m + r];
-        for (int e = 0; e < 2; e++) {
-            const int j = e ? last : 0, g = cm->g[j];
-            pf->base[r][e] = (const char *)(l->b[g] + (s < 0 ? 0 : s) * l->b_slot_stride[g] + cm->off[j]);
-            pf->stride[r][e] = l->out[g] * 2;
+        pf->pairs[r] = s < 0 ? 0 : ((int)l->rank[m + r] + 1) / 2;
+        for (int j = 0; j < pf->nv; j++) {
+            pf->base[r][j] = (const char *)pair_base(l, cm, s < 0 ? 0 : s, j);
+            pf->stride[r][j] = l->out[cm->g[j]] * 4;
         }
     }
 }
 
 static inline void prefetch_step(lora_prefetch *pf) {
-    while (pf->r < pf->mr && pf->k >= pf->rank[pf->r]) { pf->r++; pf->k = 0; }
+    while (pf->r < pf->mr && pf->k >= pf->pairs[pf->r]) { pf->r++; pf->k = 0; }
     if (pf->r >= pf->mr) return;
-    _mm_prefetch(pf->base[pf->r][0] + pf->k * pf->stride[pf->r][0], _MM_HINT_T1);
-    _mm_prefetch(pf->base[pf->r][1] + pf->k * pf->stride[pf->r][1] + 30, _MM_HINT_T1);   /* its last bytes */
+    for (int j = 0; j < pf->nv; j++) _mm_prefetch(pf->base[pf->r][j] + pf->k * pf->stride[pf->r][j], _MM_HINT_T1);
     pf->k++;
 }
 

@@ -12,7 +12,7 @@ import ctypes
 import torch
 
 from kernels.cpu import gemm as c_gemm
-from kernels.cpu.build import load_functions
+from kernels.cpu.build import has_avx512_bf16, load_functions
 
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I, _P, _I64, _I, _I, _I, _P, _P, _P]
@@ -48,6 +48,25 @@ def supports(dtype: torch.dtype) -> bool:
     return fns is not None and dtype in fns
 
 
+def pairs_b(dtype: torch.dtype) -> bool:
+    """Whether this dtype's C kernels read B in the paired layout of lora_bf16.h ([S, ceil(R / 2), out, 2]:
+    two ranks of 16 columns per 64-byte line, vdpbf16ps's operand): bf16 on a CPU with AVX512-BF16."""
+    return dtype == torch.bfloat16 and has_avx512_bf16() and supports(dtype)
+
+
+def pair_rows(b: torch.Tensor) -> torch.Tensor:
+    """Bt [..., R, out] -> the paired layout [..., ceil(R / 2), out, 2] (a zero rank appended to an odd R)."""
+    r = b.shape[-2]
+    if r % 2:
+        b = torch.cat([b, b.new_zeros(*b.shape[:-2], 1, b.shape[-1])], dim=-2)
+    return b.unflatten(-2, (-1, 2)).transpose(-1, -2)
+
+
+def unpair_rows(b: torch.Tensor) -> torch.Tensor:
+    """The paired layout [..., P, out, 2] -> Bt [..., 2P, out] (a copy)."""
+    return b.transpose(-1, -2).flatten(-3, -2)
+
+
 def supports_fused(dtype: torch.dtype) -> bool:
     """Whether the C base GEMM computes decode tokens' LoRA itself here (LoraRows; bf16, AVX512-BF16)."""
     return dtype == torch.bfloat16 and c_gemm.supports_lora()
@@ -61,12 +80,20 @@ def supports_segments(dtype: torch.dtype) -> bool:
 
 class Weights:
     """One layer's fused group in the slot layout: a [S, R, G, in] (rows of a slot contiguous) and
-    bs[g] [S, R, out_g] (rows contiguous), checked once and turned into the kernel's pointer arrays."""
+    bs[g] [S, R, out_g] (rows contiguous), or with `paired` (see pairs_b) [S, ceil(R / 2), out_g, 2]
+    (contiguous per slot); checked once and turned into the kernel's pointer arrays."""
 
-    def __init__(self, a: torch.Tensor, bs: list[torch.Tensor]):
+    def __init__(self, a: torch.Tensor, bs: list[torch.Tensor], paired: bool = False):
         S, R, G, n_in = a.shape
         assert len(bs) == G and a.stride()[1:] == (G * n_in, n_in, 1)
-        assert all(b.shape[:2] == (S, R) and b.stride()[1:] == (b.shape[2], 1) and b.dtype == a.dtype for b in bs)
+        if paired:
+            P = (R + 1) // 2
+            assert all(b.shape[:2] == (S, P) and b.shape[3] == 2 and b.stride()[1:] == (2 * b.shape[2], 2, 1)
+                       for b in bs)
+        else:
+            assert all(b.shape[:2] == (S, R) and b.stride()[1:] == (b.shape[2], 1) for b in bs)
+        assert all(b.dtype == a.dtype for b in bs)
+        self.paired = paired
         self.a, self.bs = a, bs                      # keep the views (and their storage) alive
         self.max_rank, self.groups, self.n_in = R, G, n_in
         self.width = sum(b.shape[2] for b in bs)
@@ -75,13 +102,20 @@ class Weights:
         self.outs = (ctypes.c_int64 * G)(*[b.shape[2] for b in bs])
         self.fusable = all(b.shape[2] % 16 == 0 for b in bs)   # the GEMM epilogue works on 16 columns
 
+    @classmethod
+    def of(cls, a: torch.Tensor, bs: list[torch.Tensor]) -> "Weights":
+        """From B in the plain [S, R, out] layout, paired (a copy) where this dtype's kernels want it."""
+        if pairs_b(a.dtype):
+            return cls(a, [pair_rows(b).contiguous() for b in bs], paired=True)
+        return cls(a, bs)
+
 
 def _launch(fn, name: str, dtype: torch.dtype, x: torch.Tensor, y: torch.Tensor, w: Weights,
             index: list[torch.Tensor], n: int) -> None:
     """Call a kernel of lora_decode.c: x, y, then the token index arrays, n, then the weights' layout.
     x: [T, in]; y: [T, sum(out_g)]; rows of both contiguous."""
     assert x.stride(1) == 1 and y.stride(1) == 1 and x.shape[1] == w.n_in and y.shape[1] == w.width
-    assert x.dtype == y.dtype == w.a.dtype == dtype
+    assert x.dtype == y.dtype == w.a.dtype == dtype and w.paired == pairs_b(dtype)
     rc = fn(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), *[t.data_ptr() for t in index], n,
             w.a.data_ptr(), w.a.stride(0), w.max_rank, w.groups, w.n_in, w.b_ptrs, w.b_strides, w.outs)
     if rc != 0:
@@ -136,5 +170,5 @@ class LoraRows:
         self.row_rank[tokens] = ranks.to(torch.int64)
 
     def __call__(self, w: Weights) -> c_gemm.GemmLora:
-        assert w.fusable
-        return c_gemm.GemmLora(self.row_slot, self.row_rank, w.a, w.b_ptrs, w.b_strides, w.outs)
+        assert w.fusable and w.paired
+        return c_gemm.GemmLora(self.row_slot, self.row_rank, w.a, w.b_ptrs, w.b_strides, w.outs, w)

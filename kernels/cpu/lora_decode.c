@@ -98,8 +98,9 @@ DEFINE_LORA(lora_decode_f32, float, f32_id, f32_id)
 #ifdef __AVX512BF16__
 #include "lora_bf16.h"
 
-/* bf16 with AVX512-BF16: the same contract as above, ~3x fewer instructions per weight byte (shrink and
- * expand of lora_bf16.h). */
+/* bf16 with AVX512-BF16: the same contract as above, except that each Bt_g[s] is in the paired layout of
+ * lora_bf16.h ([ceil(R / 2)][out_g][2]) and the intermediate A x is rounded to bf16 before the expand (as
+ * a bf16 LoRA does); ~3x fewer instructions per weight byte. */
 int lora_decode_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const int64_t *tok,
                      const int64_t *slot, const int64_t *rank, int n, const uint16_t *a, int64_t a_slot_stride,
                      int R, int G, int in, const uint16_t *const *b, const int64_t *b_slot_stride,
@@ -109,16 +110,18 @@ int lora_decode_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y
 #pragma omp parallel for schedule(static)
     for (int i = 0; i < n; i++) {
         float v[MAX_RANK_ROWS];
+        uint32_t vp[MAX_RANK_ROWS];
         const int64_t t = tok[i], s = slot[i];
         const int r = (int)rank[i];
         const uint16_t *as = a + s * a_slot_stride;
         prefetch(as, 8 * (int64_t)in * sizeof(uint16_t));   /* the first rows of A, the first chunks of B's rows */
         for (int g = 0; g < G; g++)
-            for (int k = 0; k < r; k++) prefetch(b[g] + s * b_slot_stride[g] + k * out[g], 256);
+            for (int k = 0; k < r; k += 2) prefetch(b[g] + s * b_slot_stride[g] + k * out[g], 256);
         shrink_bf16(x + t * x_stride, as, r * G, in, v);
+        pair_v(v, r, G, vp);
         uint16_t *yt = y + t * y_stride;
         for (int g = 0; g < G; g++) {
-            expand_add_bf16(b[g] + s * b_slot_stride[g], out[g], out[g], r, v + g, G, yt);
+            expand_pairs_bf16(b[g] + s * b_slot_stride[g], out[g], out[g], r, vp + g, G, yt);
             yt += out[g];
         }
     }
@@ -129,7 +132,7 @@ int lora_decode_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y
  * y[t] += Bt[s]^T (A[s] x[t]) with each token computed on its own (no sums across tokens, so a token's
  * delta does not depend on the rest of the batch), 4 tokens at a time so that each weight vector loaded
  * serves 4 tokens: shrink in 4 tokens x 4 rows dot-product tiles (vdpbf16ps, reduced 16 at a time),
- * expand in 4 tokens x 32 columns register tiles.
+ * expand in 4 tokens x 32 columns register tiles (vdpbf16ps over the paired B layout).
  * Segment i covers tok[seg_start[i] .. seg_start[i + 1]) (rows of x and y), adapter slot seg_slot[i],
  * rank seg_rank[i] <= R; other arguments as lora_decode_bf16. */
 #define TT 4
@@ -158,38 +161,35 @@ static void shrink_tile_bf16(const uint16_t *const *xs, const uint16_t *as, int 
     }
 }
 
-/* y[tt][0, o) += sum_k v[tt][k * G] * B[k] for tt < nt */
-static void expand_tile_bf16(const uint16_t *bs, int64_t o, int r, float v[TT][MAX_RANK_ROWS], int g, int G,
+/* y[tt][0, o) += sum_k v[tt][k] * Bt[k] for tt < nt (bs paired, vp[tt] pairs at step G, output g) */
+static void expand_tile_bf16(const uint16_t *bs, int64_t o, int r, uint32_t vp[TT][MAX_RANK_ROWS], int g, int G,
                              uint16_t *const *ys, int nt) {
-    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    const int P = (r + 1) / 2;
     for (int64_t j = 0; j < o; j += 32) {
-        const __mmask32 m = mask32(o - j);
+        const __mmask32 m0 = pair_mask(o - j), m1 = pair_mask(o - j - 16);
         __m512 e[TT], d[TT];
 #pragma GCC unroll 4
         for (int tt = 0; tt < TT; tt++) e[tt] = d[tt] = _mm512_setzero_ps();
-        const uint16_t *bp = bs + j;
-        for (int k = 0; k < r; k++, bp += o) {
-            _mm_prefetch((const char *)(bp + 128), _MM_HINT_T0);
-            const __m512i w = _mm512_maskz_loadu_epi16(m, bp);
-            const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-            const __m512 od = _mm512_castsi512_ps(_mm512_and_si512(w, hi));
+        const uint16_t *bp = bs + 2 * j;
+        for (int kk = 0; kk < P; kk++, bp += 2 * o) {
+            _mm_prefetch((const char *)(bp + 4 * o), _MM_HINT_T0);      /* two pair rows ahead */
+            const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(m0, bp), w1 = (__m512bh)_mm512_maskz_loadu_epi16(m1, bp + 32);
 #pragma GCC unroll 4
             for (int tt = 0; tt < TT; tt++) {
-                const __m512 vk = _mm512_set1_ps(v[tt][k * G + g]);
-                e[tt] = _mm512_fmadd_ps(vk, lo, e[tt]);
-                d[tt] = _mm512_fmadd_ps(vk, od, d[tt]);
+                const __m512bh vk = (__m512bh)_mm512_set1_epi32((int)vp[tt][kk * G + g]);
+                e[tt] = _mm512_dpbf16_ps(e[tt], w0, vk);
+                d[tt] = _mm512_dpbf16_ps(d[tt], w1, vk);
             }
         }
+        const __mmask16 y0 = mask16(o - j), y1 = mask16(o - j - 16);
 #pragma GCC unroll 4
         for (int tt = 0; tt < TT; tt++) {     /* constant trip count: e, d stay in registers */
             if (tt >= nt) break;
             uint16_t *yt = ys[tt] + j;
-            const __m512i yv = _mm512_maskz_loadu_epi16(m, yt);
-            const __m512 ev = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(yv, 16)), e[tt]);
-            const __m512 dv = _mm512_add_ps(_mm512_castsi512_ps(_mm512_and_si512(yv, hi)), d[tt]);
-            const __m512i lo16 = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(ev));
-            const __m512i hi16 = _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(dv)), 16);
-            _mm512_mask_storeu_epi16(yt, m, _mm512_or_si512(lo16, hi16));
+            const __m512 a0 = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(y0, yt));
+            const __m512 a1 = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(y1, yt + 16));
+            _mm256_mask_storeu_epi16(yt, y0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a0, e[tt])));
+            _mm256_mask_storeu_epi16(yt + 16, y1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a1, d[tt])));
         }
     }
 }
@@ -223,12 +223,14 @@ int lora_segments_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t
             ys[tt] = y + t * y_stride;
         }
         float v[TT][MAX_RANK_ROWS];
+        uint32_t vp[TT][MAX_RANK_ROWS];
         shrink_tile_bf16(xs, a + s * a_slot_stride, r * G, in, v);
+        for (int tt = 0; tt < TT; tt++) pair_v(v[tt], r, G, vp[tt]);
         int64_t col = 0;
         for (int g = 0; g < G; g++) {
             uint16_t *yg[TT];
             for (int tt = 0; tt < TT; tt++) yg[tt] = ys[tt] + col;
-            expand_tile_bf16(b[g] + s * b_slot_stride[g], out[g], r, v, g, G, yg, nt);
+            expand_tile_bf16(b[g] + s * b_slot_stride[g], out[g], r, vp, g, G, yg, nt);
             col += out[g];
         }
     }

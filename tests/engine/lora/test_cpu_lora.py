@@ -9,6 +9,7 @@ from engine.config import LoraConfig
 from engine.lora import cpu_lora
 from engine.lora.cpu_lora import GROUPS, LoraBatch
 from engine.lora.slots import LoraSlots
+from kernels.cpu import lora as c_lora
 from tests.engine.lora.synthetic import TINY
 
 
@@ -30,7 +31,12 @@ def make_slots(ranks, dtype=torch.float32):
         for name, buf in slots.buf.items():
             part = buf[:, s]
             part.zero_()
-            part[:, :r].copy_(torch.randn(part[:, :r].shape, generator=g).to(dtype))   # A and B are rank-major
+            if name.startswith("b") and slots.paired:   # B written through the paired layout's definition
+                plain = torch.zeros(part.shape[0], 2 * part.shape[1], part.shape[2])
+                plain[:, :r] = torch.randn(plain[:, :r].shape, generator=g)
+                part.copy_(c_lora.pair_rows(plain.to(dtype)))
+            else:
+                part[:, :r].copy_(torch.randn(part[:, :r].shape, generator=g).to(dtype))   # A and B are rank-major
         slots.slot_of[s + 1] = s
         slots.rank_of[s + 1] = r
         slots.modules_of[s + 1] = frozenset(m for g_ in GROUPS.values() for m in g_[2])
@@ -46,7 +52,7 @@ def reference(slots, layer, group, x, token_slots):
         col = 0
         for i, b in enumerate(b_names):
             A = slots.buf[a_name][layer, s][:, i].float()  # [R, in]
-            B = slots.buf[b][layer, s].float()             # [R, out]
+            B = slots.b_rows(b, layer, s, slots.max_rank).float()   # [R, out]
             y[t, col:col + B.shape[1]] = B.T @ (A @ x[t].float())
             col += B.shape[1]
     return y

@@ -23,9 +23,10 @@ def case(slots, rank, n_in, outs, m, seed=0):
 
 
 def reference(a, bs, w, x, tokens, row_slots, ranks):
+    """fp32 sums; the intermediate A x rounded to bf16, as a bf16 LoRA (PEFT's too) keeps it"""
     ref = x.float() @ w.float().T
     for t, s, r in zip(tokens.tolist(), row_slots.tolist(), ranks.tolist()):
-        v = a[s, :r].float() @ x[t].float()                   # [r, G]
+        v = (a[s, :r].float() @ x[t].float()).to(torch.bfloat16).float()   # [r, G]
         col = 0
         for g, b in enumerate(bs):
             ref[t, col:col + b.shape[2]] += v[:, g] @ b[s, :r].float()
@@ -39,7 +40,7 @@ def reference(a, bs, w, x, tokens, row_slots, ranks):
                                                     (3, 4, 96, [32, 16, 16], 1), (4, 64, 64, [48], 9)])
 def test_matches_fp32_reference(slots, rank, n_in, outs, m):
     a, bs, w, x, tokens, row_slots, ranks = case(slots, rank, n_in, outs, m)
-    weights = c_lora.Weights(a, bs)
+    weights = c_lora.Weights.of(a, bs)
     y = gemm.Gemm(w)(x, c_lora.LoraRows(tokens, row_slots, ranks, m)(weights))
     ref = reference(a, bs, w, x, tokens, row_slots, ranks)
     # bf16 output: one rounding, or two (of the base, then of the sum) in the columns whose expand runs
@@ -54,7 +55,7 @@ def test_matches_fp32_reference(slots, rank, n_in, outs, m):
 
 def test_a_row_does_not_depend_on_its_batch():
     a, bs, w, x, tokens, row_slots, ranks = case(6, 16, 576, [576, 192, 192], 40, seed=3)
-    weights, lin = c_lora.Weights(a, bs), gemm.Gemm(w)
+    weights, lin = c_lora.Weights.of(a, bs), gemm.Gemm(w)
     y = lin(x, c_lora.LoraRows(tokens, row_slots, ranks, 40)(weights))
     for i in (0, 7):
         t = int(tokens[i])
@@ -64,7 +65,7 @@ def test_a_row_does_not_depend_on_its_batch():
 
 def test_outputs_must_be_whole_vectors():
     a = torch.zeros(2, 4, 1, 32, dtype=torch.bfloat16)
-    weights = c_lora.Weights(a, [torch.zeros(2, 4, 24, dtype=torch.bfloat16)])
+    weights = c_lora.Weights.of(a, [torch.zeros(2, 4, 24, dtype=torch.bfloat16)])
     assert not weights.fusable
     with pytest.raises(AssertionError):
         c_lora.LoraRows(torch.tensor([0]), torch.tensor([0]), torch.tensor([4]), 1)(weights)

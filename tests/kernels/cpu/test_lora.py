@@ -40,7 +40,7 @@ def test_matches_reference(dtype, tol, outs, R):
     slots = torch.tensor([2, 5, 2, 0, 1])                   # a slot may serve several tokens
     ranks = torch.tensor([R, 1, R - 1, 0, 3])               # each adapter's own rank, 0 = no-op
     ref = reference(x, y, tokens, slots, ranks, a, bs)
-    c_lora.LoraDecode(tokens, slots, ranks, dtype)(x, y, c_lora.Weights(a, bs))
+    c_lora.LoraDecode(tokens, slots, ranks, dtype)(x, y, c_lora.Weights.of(a, bs))
     torch.testing.assert_close(y.float(), ref, atol=tol * 4, rtol=tol)
 
 
@@ -54,7 +54,7 @@ def test_strided_rows_and_slot_views():
     x, y = wide_x[:, 2:2 + n_in], wide_y[:, :sum(outs)]
     tokens, slots, ranks = torch.tensor([4, 1]), torch.tensor([3, 0]), torch.tensor([8, 5])
     ref = reference(x, y, tokens, slots, ranks, a_all[1], [b[1] for b in b_all])
-    c_lora.LoraDecode(tokens, slots, ranks, torch.float32)(x, y, c_lora.Weights(a_all[1], [b[1] for b in b_all]))
+    c_lora.LoraDecode(tokens, slots, ranks, torch.float32)(x, y, c_lora.Weights.of(a_all[1], [b[1] for b in b_all]))
     torch.testing.assert_close(y, ref, atol=1e-4, rtol=1e-4)
     assert torch.equal(wide_y[:, sum(outs):], torch.zeros(5, 3))
 
@@ -63,7 +63,7 @@ def test_rank_above_max_is_refused():
     a, bs = make(2, 4, 8, (8,), torch.float32, 0)
     call = c_lora.LoraDecode(torch.tensor([0]), torch.tensor([0]), torch.tensor([5]), torch.float32)
     with pytest.raises(RuntimeError, match="code -3"):
-        call(torch.randn(1, 8), torch.zeros(1, 8), c_lora.Weights(a, bs))
+        call(torch.randn(1, 8), torch.zeros(1, 8), c_lora.Weights.of(a, bs))
 
 
 def test_ranks_beyond_the_compiled_limit_fall_back():
@@ -81,7 +81,7 @@ def test_ranks_beyond_the_compiled_limit_fall_back():
 def test_segments_match_reference_and_do_not_depend_on_the_batch(outs, R, n_in):
     S, T = 6, 23
     a, bs = make(S, R, n_in, outs, torch.bfloat16, seed=R)
-    w = c_lora.Weights(a, bs)
+    w = c_lora.Weights.of(a, bs)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(T, n_in, generator=g).to(torch.bfloat16)
     y0 = torch.randn(T, sum(outs), generator=g).to(torch.bfloat16)
