@@ -111,7 +111,9 @@ class ModelRunner:
             for req, row in zip(reqs, logits):
                 self.capture_logits[req.request_id] = row.clone()
         params = [r.params for r in reqs]
-        tokens = self.sampler.sample(logits, [r.request_id for r in reqs], params)
+        history = [(r.prompt_token_ids, r.output_token_ids) for r in reqs] if any(
+            p.processes_logits for p in params) else None
+        tokens = self.sampler.sample(logits, [r.request_id for r in reqs], params, history)
         self.last_logprobs = {row: lp for row, lp in zip(inp.sample_rows, logprobs(logits, tokens, params))
                               if lp is not None}
         return dict(zip(inp.sample_rows, tokens))

@@ -31,9 +31,11 @@ class Sampler:
             gen = self.generators[request_id] = torch.Generator().manual_seed(params.seed)
         return gen
 
-    def sample(self, logits: torch.Tensor, request_ids: list[str],
-               params: list[SamplingParams]) -> list[int]:
-        """logits: [B, vocab] (any float dtype) -> B token ids."""
+    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+               history: list[tuple[list[int], list[int]]] | None = None) -> list[int]:
+        """logits: [B, vocab] (any float dtype) -> B token ids. history: each row's (prompt, output) token
+        ids, needed when some params process logits (penalties)."""
+        logits = process_logits(logits, params, history)
         out = logits.argmax(dim=-1).tolist()
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
@@ -48,6 +50,29 @@ class Sampler:
         for i, token in zip(rows, _invert_cdf(probs, u)):
             out[i] = token
         return out
+
+
+def process_logits(logits: torch.Tensor, params: list[SamplingParams],
+                   history: list[tuple[list[int], list[int]]] | None) -> torch.Tensor:
+    """logits [B, vocab] -> the same tensor, or an fp32 copy in which the rows whose params ask for it are processed:
+    logit_bias, then repetition, frequency and presence penalties (see SamplingParams)."""
+    rows = [i for i, p in enumerate(params) if p.processes_logits]
+    if not rows:
+        return logits
+    assert history is not None, "penalties need each row's prompt and output tokens"
+    logits = logits.to(torch.float32, copy=True)    # the caller's logits stay raw (for logprobs)
+    for i in rows:
+        p, (prompt, output), row = params[i], history[i], logits[i]
+        if p.logit_bias:
+            row.index_add_(0, torch.tensor(list(p.logit_bias)), torch.tensor(list(p.logit_bias.values())))
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
+            v = row[seen]
+            row[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+        if output and (p.frequency_penalty or p.presence_penalty):
+            ids, counts = torch.tensor(output).unique(return_counts=True)
+            row.index_add_(0, ids, -(p.frequency_penalty * counts.float() + p.presence_penalty))
+    return logits
 
 
 def logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list[TokenLogprobs | None]:

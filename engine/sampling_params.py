@@ -5,6 +5,7 @@ import msgspec
 
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300   # entries of a logit_bias map
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -12,6 +13,11 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     temperature 0 is greedy. top_k -1 (or 0) disables top-k; top_p 1 disables nucleus sampling.
     A `seed` makes sampling reproducible: same seed, same prompt, same output.
+    Logit processing, in this order, before temperature (as vLLM and OpenAI): `logit_bias` adds a bias
+    to given token ids; `repetition_penalty` (HF/CTRL style, 1 = off) divides the positive logits and
+    multiplies the negative ones of every token seen in the prompt or the output; `frequency_penalty`
+    subtracts penalty x count and `presence_penalty` subtracts penalty once, for each token already in
+    the output. Reported logprobs are those of the unprocessed logits.
     """
     temperature: float = 1.0
     top_p: float = 1.0
@@ -23,6 +29,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None   # report each token's logprob and this many most likely alternatives
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -32,8 +42,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def validate(self) -> None:
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be non-negative and finite, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
@@ -48,6 +58,22 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        for t, b in self.logit_bias.items():
+            if t < 0 or not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias: token ids must be non-negative and biases in [-100, 100], got {t}: {b}")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether logits go through logit_bias or a penalty before the token is picked."""
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
+            or self.repetition_penalty != 1.0
 
     @property
     def greedy(self) -> bool:

@@ -151,6 +151,7 @@ class OpenAIServer:
         if len(ids) >= limit:
             raise ApiError(400, f"the prompt is {len(ids)} tokens; this model's context is {limit} tokens",
                            "messages" if chat else "prompt", "context_length_exceeded")
+        oai.refuse_unsupported(body)
         params = oai.sampling_params(body, default_max_tokens=None if chat else 16, chat=chat)
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):

@@ -1,6 +1,7 @@
 """OpenAI's wire format: validate request bodies (errors name the field) and build responses."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -79,6 +80,36 @@ def chat_logprobs(entries: list[TokenLogprobs], piece) -> dict:
                          "top_logprobs": [one(i, v) for i, v in zip(e.top_ids, e.top_logprobs)]} for e in entries]}
 
 
+# Fields of OpenAI's (or vLLM's) API this server does not implement, with the values that mean "off": a
+# request that asks for one of them gets 400 naming it, rather than an answer that silently ignores it.
+UNSUPPORTED = {"echo": (False,), "suffix": ("",), "best_of": (1,), "tools": ([],), "functions": ([],),
+               "tool_choice": ("none",), "response_format": ({"type": "text"},), "use_beam_search": (False,),
+               "min_tokens": (0,), "prompt_logprobs": (0,), "guided_json": (), "guided_regex": (),
+               "guided_choice": (), "guided_grammar": ()}
+
+
+def refuse_unsupported(body: dict) -> None:
+    for name, off in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is None or any(value == o and type(value) is type(o) for o in off):
+            continue
+        if name == "best_of" and value == body.get("n", 1):
+            continue                       # best_of equal to n: every candidate is returned
+        raise ApiError(400, f"'{name}' is not supported by this server (got {json.dumps(value)[:80]})", name)
+
+
+def logit_bias_field(body: dict) -> dict[int, float]:
+    """OpenAI's `logit_bias`: an object from token ids (as strings) to biases."""
+    raw = field(body, "logit_bias", dict, {}) or {}
+    out = {}
+    for k, v in raw.items():
+        try:
+            out[int(k)] = float(v)
+        except (TypeError, ValueError):
+            raise ApiError(400, f"'logit_bias' maps token ids to numbers, got {k!r}: {v!r}", "logit_bias") from None
+    return out
+
+
 def sampling_params(body: dict, default_max_tokens: int | None, chat: bool = False) -> SamplingParams:
     """The sampling fields of a completions or chat body."""
     stop = field(body, "stop", (str, list), [])
@@ -90,7 +121,11 @@ def sampling_params(body: dict, default_max_tokens: int | None, chat: bool = Fal
               top_p=float(field(body, "top_p", (int, float), 1.0)), top_k=field(body, "top_k", int, -1),
               seed=field(body, "seed", int, None), max_tokens=max_tokens, stop=stop,
               stop_token_ids=field(body, "stop_token_ids", list, []), ignore_eos=field(body, "ignore_eos", bool, False),
-              logprobs=logprobs_field(body, chat))
+              logprobs=logprobs_field(body, chat),
+              presence_penalty=float(field(body, "presence_penalty", (int, float), 0.0)),
+              frequency_penalty=float(field(body, "frequency_penalty", (int, float), 0.0)),
+              repetition_penalty=float(field(body, "repetition_penalty", (int, float), 1.0)),
+              logit_bias=logit_bias_field(body))
     try:
         return SamplingParams(**kw)
     except ValueError as e:

@@ -73,6 +73,8 @@ class EngineCore:
         vocab = self.cfg.model.vocab_size
         if any(t < 0 or t >= vocab for t in req.prompt_token_ids):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in req.params.logit_bias):
+            raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
         need = self.kv.blocks_needed(n + self.max_tokens_for(n, req.params.max_tokens))
         adapter_pages = 0
         if req.adapter is not None and self.adapters is not None and req.adapter in self.adapters.by_name:

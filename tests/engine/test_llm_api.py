@@ -79,3 +79,19 @@ def test_bad_dtype_and_non_llama_model_are_refused(tmp_path):
 def test_seed_out_of_range_is_refused():
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(seed=2 ** 70)
+
+
+def test_logit_bias_and_penalties_in_one_batch(llm):
+    prompt = "List the numbers: 1, 1, 1, 1, 1, 1,"
+    forced = llm.tokenizer(" Paris")["input_ids"][0]
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    biased = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={forced: 100.0})
+    penalized = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, frequency_penalty=1.5,
+                               presence_penalty=1.0)
+    outs = llm.generate([prompt] * 3, [plain, biased, penalized])
+    assert outs[1].token_ids == [forced] * 6
+    assert outs[0].token_ids == llm.generate(prompt, plain)[0].token_ids       # others unaffected
+    most = lambda ids: max(ids.count(t) for t in set(ids))                   # noqa: E731
+    assert most(outs[2].token_ids) < most(outs[0].token_ids)
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate(prompt, SamplingParams(logit_bias={10 ** 7: 1.0}))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import Sampler, _invert_cdf
+from engine.sampler import Sampler, _invert_cdf, process_logits
 from engine.sampling_params import SamplingParams
 
 LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0, 0.0]) + 1e-30)
@@ -84,3 +84,52 @@ def test_logprobs_of_sampled_token_and_top_alternatives():
     assert out[2].top_ids == [] and abs(out[2].logprob - float(ref[2, 11])) < 1e-6   # before temperature
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=21)
+
+
+# -- logit processing: logit_bias and penalties -------------------------------------------------------
+
+def test_logit_bias_steers_greedy_and_leaves_the_raw_logits_alone():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    raw = logits.clone()
+    target = int(logits[1].argmin())
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0, logit_bias={target: 100.0}),
+              SamplingParams(temperature=0, logit_bias={int(logits[2].argmax()): -100.0})]
+    out = Sampler(0).sample(logits, list("abc"), params, [([], [])] * 3)
+    assert out[0] == int(raw[0].argmax()) and out[1] == target
+    assert out[2] == int(raw[2].topk(2).indices[1])          # the best token banned: the second best
+    assert torch.equal(logits, raw)                            # logprobs are reported from the raw logits
+
+
+def test_penalties_follow_their_definitions():
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 40, generator=g) * 3
+    prompt, output = [1, 2, 3, 3], [3, 7, 7, 7, 9]
+    p = SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25)
+    got = process_logits(logits, [SamplingParams(temperature=0), p], [([], []), (prompt, output)])
+    want = logits[1].clone()
+    for t in set(prompt) | set(output):                        # HF / CTRL repetition penalty
+        want[t] = want[t] / 1.3 if want[t] > 0 else want[t] * 1.3
+    for t in set(output):                                      # OpenAI frequency and presence penalties
+        want[t] -= 0.5 * output.count(t) + 0.25
+    torch.testing.assert_close(got[1], want)
+    torch.testing.assert_close(got[0], logits[0])              # rows without processing are unchanged
+
+
+def test_a_frequency_penalty_stops_a_repetition_under_greedy():
+    logits = torch.tensor([[0.0, 2.0, 1.5, 0.0]])
+    s = Sampler(0)
+    p = SamplingParams(temperature=0, frequency_penalty=0.4)
+    assert s.sample(logits, ["a"], [p], [([0], [])]) == [1]
+    assert s.sample(logits, ["a"], [p], [([0], [1])]) == [1]       # 2.0 - 0.4 > 1.5
+    assert s.sample(logits, ["a"], [p], [([0], [1, 1])]) == [2]    # 2.0 - 0.8 < 1.5
+
+
+@pytest.mark.parametrize("kw, name", [({"presence_penalty": 2.5}, "presence_penalty"),
+                                      ({"frequency_penalty": -3}, "frequency_penalty"),
+                                      ({"repetition_penalty": 0}, "repetition_penalty"),
+                                      ({"logit_bias": {5: 101.0}}, "logit_bias"),
+                                      ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+                                      ({"temperature": float("nan")}, "temperature")])
+def test_bad_processing_settings_are_refused_by_name(kw, name):
+    with pytest.raises(ValueError, match=name):
+        SamplingParams(**kw)

@@ -10,6 +10,8 @@ import openai
 import pytest
 import requests
 
+from engine.model.default_model import default_model_dir
+from engine.tokenizer import load_tokenizer
 from tests.frontends.conftest import API_KEY
 from tests.frontends.server_fixture import metric, wait_until
 
@@ -152,6 +154,11 @@ def test_client_disconnect_frees_its_request(server):
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "top_p": 7}', "top_p"),
     ('{"model": "SmolLM2-135M-Instruct", "prompt": [1, "x"]}', "prompt"),
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "logprobs": 50}', "logprobs"),
+    ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "presence_penalty": 3}', "presence_penalty"),
+    ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "logit_bias": {"x": 1}}', "logit_bias"),
+    ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "echo": true}', "echo"),
+    ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "best_of": 3}', "best_of"),
+    ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "tools": [{"type": "function"}]}', "tools"),
     ('[1, 2, 3]', None),
 ])
 def test_malformed_bodies_get_400_and_the_server_keeps_serving(server, client, body, field):
@@ -161,6 +168,17 @@ def test_malformed_bodies_get_400_and_the_server_keeps_serving(server, client, b
     assert err["type"] == "invalid_request_error" and err["message"]
     if field:
         assert err["param"] == field
+    assert client.completions.create(model=BASE, prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+def test_logit_bias_and_penalties_as_the_openai_client_sends_them(server, client):
+    tok = load_tokenizer(str(default_model_dir()))
+    forced = tok(" Paris")["input_ids"][0]
+    out = client.completions.create(model=BASE, prompt="The weather today", max_tokens=4, temperature=0,
+                                    logit_bias={str(forced): 100}, frequency_penalty=0.5, presence_penalty=0.5)
+    assert out.choices[0].text == tok.decode([forced] * 4) and out.usage.completion_tokens == 4
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(model=BASE, prompt="Hi", max_tokens=2, logit_bias={"99999999": 5})
     assert client.completions.create(model=BASE, prompt="Hi", max_tokens=2).choices[0].text is not None
 
 
