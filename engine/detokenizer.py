@@ -43,6 +43,13 @@ class Detokenizer:
                 self.stopped = True
                 return
 
+    def resume(self, ids: list[int], sent_chars: int) -> None:
+        """Replay output tokens a previous engine already produced, of whose text the client has the first
+        `sent_chars` characters: later deltas continue exactly after them."""
+        for t in ids:
+            self._append_token(t)
+        self.sent = min(sent_chars, len(self.text))
+
     def update(self, new_ids: list[int], finished: bool) -> str:
         """Feed new tokens; return the newly stable text. Sets `stopped` when a stop string appears
         (the text is then cut at it and everything after is dropped)."""

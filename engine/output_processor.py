@@ -17,8 +17,14 @@ class OutputProcessor:
         self.tok = tok
         self.detok: dict[str, Detokenizer] = {}
 
-    def add(self, request_id: str, prompt_ids: list[int], stop: list[str], include_stop: bool) -> None:
-        self.detok[request_id] = Detokenizer(self.tok, prompt_ids, stop, include_stop)
+    def add(self, request_id: str, prompt_ids: list[int], stop: list[str], include_stop: bool, resumed: int = 0,
+            resumed_chars: int = 0) -> None:
+        """resumed: the last tokens of prompt_ids are the request's own earlier output, of whose text the
+        client has resumed_chars characters (a request resent after an engine restart)."""
+        d = Detokenizer(self.tok, prompt_ids[: len(prompt_ids) - resumed], stop, include_stop)
+        if resumed:
+            d.resume(prompt_ids[len(prompt_ids) - resumed:], resumed_chars)
+        self.detok[request_id] = d
 
     def drop(self, request_id: str) -> None:
         self.detok.pop(request_id, None)

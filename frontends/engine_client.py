@@ -41,6 +41,7 @@ class _InFlight:
     request: GenerateRequest
     received: list[int] = field(default_factory=list)   # token ids this client has been sent
     carried: int = 0                                    # of those, how many the current engine got as prompt
+    chars: int = 0                                      # characters of text this client has been sent
     resubmits: int = 0
 
 
@@ -131,6 +132,7 @@ class AsyncEngineClient:
         if f is None:
             return out
         f.received.extend(out.token_ids)
+        f.chars += len(out.text)
         if f.carried and out.error is None:
             out = msgspec.structs.replace(
                 out, prompt_tokens=len(f.request.prompt_token_ids) if out.prompt_tokens else 0,
@@ -159,7 +161,7 @@ class AsyncEngineClient:
                 f.carried = len(f.received)
                 again = GenerateRequest(rid, req.prompt_token_ids + f.received,
                                         msgspec.structs.replace(params, max_tokens=left), req.adapter,
-                                        req.cache_salt, req.stream)
+                                        req.cache_salt, req.stream, resumed=len(f.received), resumed_chars=f.chars)
                 await self.sock.send(encode_request(again))
 
     def new_request_id(self) -> str:

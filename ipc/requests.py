@@ -13,13 +13,18 @@ _STRUCT = dict(array_like=True, omit_defaults=True, gc=False, tag_field="t")
 
 class GenerateRequest(msgspec.Struct, tag="gen", **_STRUCT):
     """Generate from `prompt_token_ids` with the named adapter (None: the base model).
-    `stream`: send each new piece of text as it is ready (else only the final output)."""
+    `stream`: send each new piece of text as it is ready (else only the final output). A request resent
+    after an engine restart carries its earlier output at the end of its prompt (`resumed` tokens): the
+    engine's detokenizer replays them, so text it had held back is not lost and a stop string that
+    straddles the resend point is found."""
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     adapter: str | None = None
     cache_salt: str | None = None
     stream: bool = True
+    resumed: int = 0          # the last `resumed` prompt tokens are this request's own earlier output
+    resumed_chars: int = 0    # (resent after an engine restart), of whose text the client has this much
 
 
 class AbortRequest(msgspec.Struct, tag="abort", **_STRUCT):

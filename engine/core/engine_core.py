@@ -73,6 +73,8 @@ class EngineCore:
         vocab = self.cfg.model.vocab_size
         if any(t < 0 or t >= vocab for t in req.prompt_token_ids):
             raise ValueError(f"prompt: token ids must be in [0, {vocab})")
+        if not 0 <= req.resumed < n or req.resumed_chars < 0:
+            raise ValueError(f"resumed: {req.resumed} tokens ({req.resumed_chars} characters) of a {n}-token prompt")
         if any(t >= vocab for t in req.params.logit_bias):
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
         need = self.kv.blocks_needed(n + self.max_tokens_for(n, req.params.max_tokens))

@@ -203,7 +203,7 @@ class AsyncEngine:
         self.owner[req.request_id] = identity
         self.stream[req.request_id] = req.stream
         self.processor.add(req.request_id, req.prompt_token_ids, req.params.stop,
-                           req.params.include_stop_str_in_output)
+                           req.params.include_stop_str_in_output, req.resumed, req.resumed_chars)
 
     async def load_on_demand(self, name: str | None) -> None:
         """Register DIR/<name> for an adapter name not registered yet. Any failure to find or read it is

@@ -20,3 +20,35 @@ def test_stop_string_cuts_and_holds_back_partial_matches(tokenizer):
     assert d.stopped and d.text == "alpha beta " and "".join(deltas) == "alpha beta "
     deltas, d = stream(tokenizer, "alpha beta STOP gamma", stop=["STOP"], include=True)
     assert "".join(deltas) == "alpha beta STOP"
+
+
+def test_a_resumed_request_continues_its_text_exactly(tokenizer):
+    """After an engine restart a request is resent with its earlier output at the end of the prompt; the
+    new detokenizer replays it: the client's text is the same as without the restart, whatever was held
+    back, and a stop string that straddles the resend point is found."""
+    from engine.output_processor import OutputProcessor
+    from engine.core.outputs import TokenOutput
+    prompt = tokenizer("Say it:", add_special_tokens=False)["input_ids"]
+    for text, stop in [("Grüße aus Köln 🙂 — 東京 and more words", []),
+                       ("alpha beta ST", ["STOP"]), ("alpha beta STOP gamma delta", ["STOP"])]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for cut in range(1, len(ids)):
+            first = OutputProcessor(tokenizer)
+            first.add("r", prompt, stop, False)
+            got, stopped = "", False
+            for i, t in enumerate(ids[:cut]):
+                (out,), done = first.process([TokenOutput("r", [t], None, 0, 0, 0)])
+                got, stopped = got + out.text, bool(done)
+                if stopped:
+                    break
+            if stopped:
+                continue                                # finished before the restart: nothing to resend
+            again = OutputProcessor(tokenizer)
+            again.add("r", prompt + ids[:cut], stop, False, resumed=cut, resumed_chars=len(got))
+            for i, t in enumerate(ids[cut:]):
+                (out,), done = again.process([TokenOutput("r", [t], "length" if cut + i == len(ids) - 1 else None, 0, 0, 0)])
+                got += out.text
+                if done or out.finish_reason:
+                    break
+            whole, _ = stream(tokenizer, text, stop)
+            assert got == "".join(whole), (text, cut)
