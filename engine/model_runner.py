@@ -15,7 +15,7 @@ from engine.model.attention import AttentionMetadata, PrefillSeq
 from engine.memory import huge_zeros
 from engine.model.llama import LlamaModel, LoraHook
 from engine.model.weights import load_weights
-from engine.sampler import Sampler, logprobs
+from engine.sampler import History, Sampler, logprobs
 from ipc.outputs import TokenLogprobs
 from kernels.cpu import attention as cpu_attention
 from engine.scheduler import SchedulerOutput
@@ -111,8 +111,9 @@ class ModelRunner:
             for req, row in zip(reqs, logits):
                 self.capture_logits[req.request_id] = row.clone()
         params = [r.params for r in reqs]
-        history = [(r.prompt_token_ids, r.output_token_ids) for r in reqs] if any(
-            p.processes_logits for p in params) else None
+        history = [History(r.prompt_token_ids, r.output_token_ids,
+                           tuple(r.params.stop_token_ids) + (() if r.params.ignore_eos else tuple(r.eos_token_ids)))
+                   for r in reqs] if any(p.processes_logits for p in params) else None
         tokens = self.sampler.sample(logits, [r.request_id for r in reqs], params, history)
         self.last_logprobs = {row: lp for row, lp in zip(inp.sample_rows, logprobs(logits, tokens, params))
                               if lp is not None}

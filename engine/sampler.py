@@ -6,10 +6,20 @@ for a 49k vocabulary here). Rows with only a temperature, the common case, are d
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from engine.sampling_params import SamplingParams
 from ipc.outputs import TokenLogprobs
+
+
+class History(NamedTuple):
+    """What logit processing needs of a row's request: its prompt and output token ids, and the ids that
+    would end it (EOS unless ignore_eos, and stop_token_ids), which min_tokens holds back."""
+    prompt: list[int]
+    output: list[int]
+    stop_ids: tuple[int, ...] = ()
 
 
 class Sampler:
@@ -32,9 +42,9 @@ class Sampler:
         return gen
 
     def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
-               history: list[tuple[list[int], list[int]]] | None = None) -> list[int]:
-        """logits: [B, vocab] (any float dtype) -> B token ids. history: each row's (prompt, output) token
-        ids, needed when some params process logits (penalties)."""
+               history: list[History] | None = None) -> list[int]:
+        """logits: [B, vocab] (any float dtype) -> B token ids. history: each row's History, needed when
+        some params process logits (SamplingParams.processes_logits)."""
         logits = process_logits(logits, params, history)
         out = logits.argmax(dim=-1).tolist()
         rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -53,16 +63,18 @@ class Sampler:
 
 
 def process_logits(logits: torch.Tensor, params: list[SamplingParams],
-                   history: list[tuple[list[int], list[int]]] | None) -> torch.Tensor:
+                   history: list[History] | None) -> torch.Tensor:
     """logits [B, vocab] -> the same tensor, or an fp32 copy in which the rows whose params ask for it are processed:
-    logit_bias, then repetition, frequency and presence penalties (see SamplingParams)."""
+    min_tokens, logit_bias, then repetition, frequency and presence penalties (see SamplingParams)."""
     rows = [i for i, p in enumerate(params) if p.processes_logits]
     if not rows:
         return logits
     assert history is not None, "penalties need each row's prompt and output tokens"
     logits = logits.to(torch.float32, copy=True)    # the caller's logits stay raw (for logprobs)
     for i in rows:
-        p, (prompt, output), row = params[i], history[i], logits[i]
+        p, (prompt, output, stop_ids), row = params[i], history[i], logits[i]
+        if len(output) < p.min_tokens and stop_ids:
+            row[torch.tensor(stop_ids)] = float("-inf")
         if p.logit_bias:
             row.index_add_(0, torch.tensor(list(p.logit_bias)), torch.tensor(list(p.logit_bias.values())))
         if p.repetition_penalty != 1.0:

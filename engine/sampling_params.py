@@ -13,7 +13,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
 
     temperature 0 is greedy. top_k -1 (or 0) disables top-k; top_p 1 disables nucleus sampling.
     A `seed` makes sampling reproducible: same seed, same prompt, same output.
-    Logit processing, in this order, before temperature (as vLLM and OpenAI): `logit_bias` adds a bias
+    Logit processing, in this order, before temperature (as vLLM and OpenAI): `min_tokens` bans EOS (unless
+    `ignore_eos`) and `stop_token_ids` until the output has that many tokens; `logit_bias` adds a bias
     to given token ids; `repetition_penalty` (HF/CTRL style, 1 = off) divides the positive logits and
     multiplies the negative ones of every token seen in the prompt or the output; `frequency_penalty`
     subtracts penalty x count and `presence_penalty` subtracts penalty once, for each token already in
@@ -33,6 +34,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = {}
+    min_tokens: int = 0            # EOS and stop_token_ids cannot be sampled before this many tokens
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +65,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
         for t, b in self.logit_bias.items():
@@ -73,7 +77,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     def processes_logits(self) -> bool:
         """Whether logits go through logit_bias or a penalty before the token is picked."""
         return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
-            or self.repetition_penalty != 1.0
+            or self.repetition_penalty != 1.0 or self.min_tokens > 0
 
     @property
     def greedy(self) -> bool:

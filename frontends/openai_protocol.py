@@ -84,7 +84,7 @@ def chat_logprobs(entries: list[TokenLogprobs], piece) -> dict:
 # request that asks for one of them gets 400 naming it, rather than an answer that silently ignores it.
 UNSUPPORTED = {"echo": (False,), "suffix": ("",), "best_of": (1,), "tools": ([],), "functions": ([],),
                "tool_choice": ("none",), "response_format": ({"type": "text"},), "use_beam_search": (False,),
-               "min_tokens": (0,), "prompt_logprobs": (0,), "guided_json": (), "guided_regex": (),
+               "prompt_logprobs": (0,), "guided_json": (), "guided_regex": (),
                "guided_choice": (), "guided_grammar": ()}
 
 
@@ -125,7 +125,7 @@ def sampling_params(body: dict, default_max_tokens: int | None, chat: bool = Fal
               presence_penalty=float(field(body, "presence_penalty", (int, float), 0.0)),
               frequency_penalty=float(field(body, "frequency_penalty", (int, float), 0.0)),
               repetition_penalty=float(field(body, "repetition_penalty", (int, float), 1.0)),
-              logit_bias=logit_bias_field(body))
+              logit_bias=logit_bias_field(body), min_tokens=field(body, "min_tokens", int, 0))
     try:
         return SamplingParams(**kw)
     except ValueError as e:

@@ -95,3 +95,11 @@ def test_logit_bias_and_penalties_in_one_batch(llm):
     assert most(outs[2].token_ids) < most(outs[0].token_ids)
     with pytest.raises(ValueError, match="logit_bias"):
         llm.generate(prompt, SamplingParams(logit_bias={10 ** 7: 1.0}))
+
+
+def test_min_tokens_holds_back_the_end(llm):
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    short = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=40))[0]
+    longer = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=40, min_tokens=len(short.token_ids) + 5))[0]
+    assert short.finish_reason == "stop" and len(longer.token_ids) >= len(short.token_ids) + 5
+    assert longer.token_ids[:len(short.token_ids) - 1] == short.token_ids[:-1]   # the same up to the EOS

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import Sampler, _invert_cdf, process_logits
+from engine.sampler import History, Sampler, _invert_cdf, process_logits
 from engine.sampling_params import SamplingParams
 
 LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0, 0.0]) + 1e-30)
@@ -94,7 +94,7 @@ def test_logit_bias_steers_greedy_and_leaves_the_raw_logits_alone():
     target = int(logits[1].argmin())
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0, logit_bias={target: 100.0}),
               SamplingParams(temperature=0, logit_bias={int(logits[2].argmax()): -100.0})]
-    out = Sampler(0).sample(logits, list("abc"), params, [([], [])] * 3)
+    out = Sampler(0).sample(logits, list("abc"), params, [History([], [])] * 3)
     assert out[0] == int(raw[0].argmax()) and out[1] == target
     assert out[2] == int(raw[2].topk(2).indices[1])          # the best token banned: the second best
     assert torch.equal(logits, raw)                            # logprobs are reported from the raw logits
@@ -105,7 +105,7 @@ def test_penalties_follow_their_definitions():
     logits = torch.randn(2, 40, generator=g) * 3
     prompt, output = [1, 2, 3, 3], [3, 7, 7, 7, 9]
     p = SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.25)
-    got = process_logits(logits, [SamplingParams(temperature=0), p], [([], []), (prompt, output)])
+    got = process_logits(logits, [SamplingParams(temperature=0), p], [History([], []), History(prompt, output)])
     want = logits[1].clone()
     for t in set(prompt) | set(output):                        # HF / CTRL repetition penalty
         want[t] = want[t] / 1.3 if want[t] > 0 else want[t] * 1.3
@@ -119,9 +119,9 @@ def test_a_frequency_penalty_stops_a_repetition_under_greedy():
     logits = torch.tensor([[0.0, 2.0, 1.5, 0.0]])
     s = Sampler(0)
     p = SamplingParams(temperature=0, frequency_penalty=0.4)
-    assert s.sample(logits, ["a"], [p], [([0], [])]) == [1]
-    assert s.sample(logits, ["a"], [p], [([0], [1])]) == [1]       # 2.0 - 0.4 > 1.5
-    assert s.sample(logits, ["a"], [p], [([0], [1, 1])]) == [2]    # 2.0 - 0.8 < 1.5
+    assert s.sample(logits, ["a"], [p], [History([0], [])]) == [1]
+    assert s.sample(logits, ["a"], [p], [History([0], [1])]) == [1]       # 2.0 - 0.4 > 1.5
+    assert s.sample(logits, ["a"], [p], [History([0], [1, 1])]) == [2]    # 2.0 - 0.8 < 1.5
 
 
 @pytest.mark.parametrize("kw, name", [({"presence_penalty": 2.5}, "presence_penalty"),
@@ -133,3 +133,15 @@ def test_a_frequency_penalty_stops_a_repetition_under_greedy():
 def test_bad_processing_settings_are_refused_by_name(kw, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kw)
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids_until_reached():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 4.0]])               # token 1 is EOS, 3 a stop id
+    s = Sampler(0)
+    p = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[3])
+    stops = (3, 1)
+    assert s.sample(logits, ["a"], [p], [History([0], [], stops)]) == [2]
+    assert s.sample(logits, ["a"], [p], [History([0], [2], stops)]) == [2]
+    assert s.sample(logits, ["a"], [p], [History([0], [2, 2], stops)]) == [1]    # reached: EOS again
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=4)
