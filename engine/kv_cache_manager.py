@@ -48,8 +48,9 @@ class KVCacheManager:
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Pages of the longest cached prefix of a request that holds no blocks yet.
 
-        At least one token is always left to compute, so that there are logits to sample from."""
-        if not self.enable_prefix_caching:
+        At least one token is always left to compute, so that there are logits to sample from. A request
+        that asks for prompt logprobs computes its whole prompt (its logits are needed at every position)."""
+        if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
             return []
         self._update_hashes(req, req.num_tokens - 1)
         self.pool.prefix_queries += 1

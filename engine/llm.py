@@ -100,8 +100,10 @@ class LLM:
                     out.text += d.text
                     out.token_ids.extend(d.token_ids)
                     if out.logprobs is not None:
-                        out.logprobs.extend({t.token_id: t.logprob, **dict(zip(t.top_ids, t.top_logprobs))}
-                                            for t in d.logprobs)
+                        out.logprobs.extend(_as_dict(t) for t in d.logprobs)
+                    if d.prompt_logprobs is not None:
+                        results[d.request_id].prompt_logprobs = [None if t is None else _as_dict(t)
+                                                                 for t in d.prompt_logprobs]
                     results[d.request_id].num_cached_tokens = d.cached_tokens
                     if d.finish_reason is not None:
                         out.finish_reason = d.finish_reason
@@ -113,3 +115,8 @@ class LLM:
                 if self.engine.abort(rid):
                     self.processor.drop(rid)
         return list(results.values())
+
+
+def _as_dict(t) -> dict[int, float]:
+    """A TokenLogprobs as vLLM's offline API shows it: {token id: logprob} for it and the alternatives."""
+    return {t.token_id: t.logprob, **dict(zip(t.top_ids, t.top_logprobs))}

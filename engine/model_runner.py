@@ -6,7 +6,7 @@ one block for every layer, laid out [layers, 2 (K, V), block]; a block is [block
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,8 @@ class ForwardInput:
     meta: AttentionMetadata
     logits_indices: torch.Tensor   # [S]
     sample_rows: list[int]         # S positions in SchedulerOutput.requests that sample this step
+    prompt_rows: list[int] = field(default_factory=list)   # token rows whose logits score the next prompt token
+    prompt_targets: list = field(default_factory=list)     # (request, index of that prompt token) per row
 
 
 def page_elems(cfg: EngineConfig) -> int:
@@ -61,7 +63,7 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput) -> ForwardInput:
         bs = self.block_size
         ids, pos, pages, offs = [], [], [], []
-        sample_rows, logits_idx = [], []
+        sample_rows, logits_idx, prompt_rows, prompt_targets = [], [], [], []
         decode_tables, decode_counts, decode_lens, prefills = [], [], [], []
         for row, (req, n) in enumerate(zip(out.requests, out.num_new_tokens)):
             start = req.num_computed_tokens
@@ -83,6 +85,10 @@ class ModelRunner:
             if end == req.num_tokens:
                 sample_rows.append(row)
                 logits_idx.append(len(ids) - 1)
+            if req.prompt_logprobs is not None:
+                for p in range(start, min(end, req.num_prompt_tokens - 1)):
+                    prompt_rows.append(q_start + p - start)
+                    prompt_targets.append((req, p + 1))
         meta = AttentionMetadata(
             slot_page=torch.tensor(pages, dtype=torch.long), slot_offset=torch.tensor(offs, dtype=torch.long),
             num_decode=len(decode_lens), decode_block_tables=None, decode_lens=None, decode_mask=None,
@@ -97,13 +103,19 @@ class ModelRunner:
                 visible = torch.arange(width * bs)[None, :] < meta.decode_lens[:, None]
                 meta.decode_mask = torch.zeros(visible.shape, dtype=self.cfg.model.dtype).masked_fill_(
                     ~visible, float("-inf"))[:, None, None, :]
-        return ForwardInput(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta, torch.tensor(logits_idx, dtype=torch.long), sample_rows)
+        return ForwardInput(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta,
+                            torch.tensor(logits_idx, dtype=torch.long), sample_rows, prompt_rows, prompt_targets)
 
     def execute(self, out: SchedulerOutput, lora: LoraHook | None = None) -> dict[int, int]:
         """Run one step; return {row in out.requests: sampled token} for rows that finished their chunk."""
         inp = self.prepare(out)
-        logits = self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches,
-                                    inp.logits_indices, lora)
+        if inp.prompt_rows:
+            logits, hidden = self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches,
+                                                inp.logits_indices, lora, torch.tensor(inp.prompt_rows))
+            self._prompt_logprobs(hidden, inp.prompt_targets)
+        else:
+            logits = self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches,
+                                        inp.logits_indices, lora)
         if not inp.sample_rows:
             return {}
         reqs = [out.requests[r] for r in inp.sample_rows]
@@ -111,13 +123,38 @@ class ModelRunner:
             for req, row in zip(reqs, logits):
                 self.capture_logits[req.request_id] = row.clone()
         params = [r.params for r in reqs]
-        history = [History(r.prompt_token_ids, r.output_token_ids,
-                           tuple(r.params.stop_token_ids) + (() if r.params.ignore_eos else tuple(r.eos_token_ids)))
-                   for r in reqs] if any(p.processes_logits for p in params) else None
+        history = [_history(r) for r in reqs] if any(p.processes_logits for p in params) else None
         tokens = self.sampler.sample(logits, [r.request_id for r in reqs], params, history)
         self.last_logprobs = {row: lp for row, lp in zip(inp.sample_rows, logprobs(logits, tokens, params))
                               if lp is not None}
         return dict(zip(inp.sample_rows, tokens))
+
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, targets: list) -> None:
+        """Fill each target's request.prompt_logprobs[i]: the logprob of prompt token i where it was
+        predicted, and the request's params.prompt_logprobs most likely tokens there."""
+        for lo in range(0, len(targets), PROMPT_LOGITS_ROWS):
+            part = targets[lo:lo + PROMPT_LOGITS_ROWS]
+            lp = self.model.logits_of(hidden[lo:lo + len(part)]).log_softmax(-1)
+            tokens = torch.tensor([req.prompt_token_ids[i] for req, i in part])
+            chosen = lp.gather(1, tokens[:, None]).squeeze(1).tolist()
+            k = max(req.params.prompt_logprobs for req, _ in part)
+            top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+            for j, (req, i) in enumerate(part):
+                n = req.params.prompt_logprobs
+                req.prompt_logprobs[i] = TokenLogprobs(req.prompt_token_ids[i], chosen[j], top_i[j, :n].tolist(),
+                                                       top_v[j, :n].tolist())
+
+
+
+def _history(r) -> History:
+    """A request as logit processing sees it; a resumed request's earlier output counts as output."""
+    cut = len(r.prompt_token_ids) - r.num_resumed
+    stops = tuple(r.params.stop_token_ids) + (() if r.params.ignore_eos else tuple(r.eos_token_ids))
+    return History(r.prompt_token_ids[:cut], r.prompt_token_ids[cut:] + r.output_token_ids, stops,
+                   len(r.output_token_ids))
+
+PROMPT_LOGITS_ROWS = 256   # prompt positions projected to the vocabulary at a time (~50 MB of fp32 logits)
 
 
 def _chunk_mask(start: int, n: int) -> torch.Tensor | None:

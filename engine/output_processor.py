@@ -42,7 +42,8 @@ class OutputProcessor:
                 reason = "stop"
                 stopped.append(o.request_id)
             results.append(RequestOutput(o.request_id, o.new_token_ids, text, reason, o.prompt_tokens,
-                                         o.completion_tokens, o.cached_tokens, logprobs=o.logprobs))
+                                         o.completion_tokens, o.cached_tokens, logprobs=o.logprobs,
+                                         prompt_logprobs=o.prompt_logprobs))
             if reason is not None:
                 del self.detok[o.request_id]
         return results, stopped

@@ -22,6 +22,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # with SamplingParams.prompt_logprobs: per prompt token, {token id: logprob} for it and the most likely
+    # alternatives at its position (None for the first token, which nothing predicts)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def text(self) -> str:

@@ -44,6 +44,9 @@ class Request:
     blocked_by_cap: int = 0      # steps held back by the max_loras cap
     cold_start: bool = False     # had to wait for its adapter to load
     counted: bool = False        # counted in the adapter hit/cold-start statistics
+    # with params.prompt_logprobs: entry i for prompt token i (None for the first), filled as chunks run
+    prompt_logprobs: list | None = None
+    num_resumed: int = 0         # the last prompt tokens are earlier output (resent after an engine restart)
 
     @property
     def all_token_ids(self) -> list[int]:

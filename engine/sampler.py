@@ -15,11 +15,14 @@ from ipc.outputs import TokenLogprobs
 
 
 class History(NamedTuple):
-    """What logit processing needs of a row's request: its prompt and output token ids, and the ids that
-    would end it (EOS unless ignore_eos, and stop_token_ids), which min_tokens holds back."""
+    """What logit processing needs of a row's request: its prompt and output token ids (the penalties),
+    the ids that would end it (EOS unless ignore_eos, and stop_token_ids) and how many tokens this
+    request has generated (min_tokens holds the former back until the latter reaches it). The output can
+    be longer than `generated` for a request resent after an engine restart (its earlier output)."""
     prompt: list[int]
     output: list[int]
     stop_ids: tuple[int, ...] = ()
+    generated: int | None = None      # None: len(output)
 
 
 class Sampler:
@@ -72,8 +75,8 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams],
     assert history is not None, "penalties need each row's prompt and output tokens"
     logits = logits.to(torch.float32, copy=True)    # the caller's logits stay raw (for logprobs)
     for i in rows:
-        p, (prompt, output, stop_ids), row = params[i], history[i], logits[i]
-        if len(output) < p.min_tokens and stop_ids:
+        p, (prompt, output, stop_ids, generated), row = params[i], history[i], logits[i]
+        if (len(output) if generated is None else generated) < p.min_tokens and stop_ids:
             row[torch.tensor(stop_ids)] = float("-inf")
         if p.logit_bias:
             row.index_add_(0, torch.tensor(list(p.logit_bias)), torch.tensor(list(p.logit_bias.values())))

@@ -18,7 +18,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     to given token ids; `repetition_penalty` (HF/CTRL style, 1 = off) divides the positive logits and
     multiplies the negative ones of every token seen in the prompt or the output; `frequency_penalty`
     subtracts penalty x count and `presence_penalty` subtracts penalty once, for each token already in
-    the output. Reported logprobs are those of the unprocessed logits.
+    the output. Reported logprobs are those of the unprocessed logits. `prompt_logprobs` asks for every
+    prompt token's logprob where it was predicted (the whole prompt is then computed: no prefix-cache hit).
     """
     temperature: float = 1.0
     top_p: float = 1.0
@@ -35,6 +36,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = {}
     min_tokens: int = 0            # EOS and stop_token_ids cannot be sampled before this many tokens
+    prompt_logprobs: int | None = None   # each prompt token's logprob (but the first's) and this many alternatives
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +60,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError("stop: empty stop strings are not allowed")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
         for name in ("presence_penalty", "frequency_penalty"):

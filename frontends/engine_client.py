@@ -159,9 +159,12 @@ class AsyncEngineClient:
             else:
                 f.resubmits += 1
                 f.carried = len(f.received)
-                again = GenerateRequest(rid, req.prompt_token_ids + f.received,
-                                        msgspec.structs.replace(params, max_tokens=left), req.adapter,
-                                        req.cache_salt, req.stream, resumed=len(f.received), resumed_chars=f.chars)
+                # (prompt logprobs, when asked, came with the first output, so before any token)
+                resent = msgspec.structs.replace(params, max_tokens=left,
+                                                 min_tokens=max(0, params.min_tokens - len(f.received)),
+                                                 prompt_logprobs=None if f.received else params.prompt_logprobs)
+                again = GenerateRequest(rid, req.prompt_token_ids + f.received, resent, req.adapter,
+                                    req.cache_salt, req.stream, resumed=len(f.received), resumed_chars=f.chars)
                 await self.sock.send(encode_request(again))
 
     def new_request_id(self) -> str:
@@ -243,14 +246,15 @@ class EngineClient:
                  cache_salt: str | None = None) -> RequestOutput:
         """Run one request to the end; return its whole output."""
         async def run():
-            text, ids, lps, last = "", [], [], None
+            text, ids, lps, last, prompt_lps = "", [], [], None, None
             async for out in self._client.generate(prompt_token_ids, params, adapter, cache_salt):
                 text += out.text
                 ids += out.token_ids
                 lps += out.logprobs
+                prompt_lps = out.prompt_logprobs if out.prompt_logprobs is not None else prompt_lps
                 last = out
             return RequestOutput(last.request_id, ids, text, last.finish_reason, last.prompt_tokens,
-                                 last.completion_tokens, last.cached_tokens, logprobs=lps)
+                                 last.completion_tokens, last.cached_tokens, logprobs=lps, prompt_logprobs=prompt_lps)
         return self._call(run())
 
     def stream(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None) -> Iterator[RequestOutput]:

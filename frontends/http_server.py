@@ -138,21 +138,34 @@ class OpenAIServer:
         body = await self.body(request)
         prompt = oai.completion_prompt(body)
         ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
-        return await self.generate(request, body, ids, chat=False)
+        echo = None
+        if oai.field(body, "echo", bool, False):
+            echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        return await self.generate(request, body, ids, chat=False, echo=echo)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await self.body(request)
         ids = encode_chat(self.tokenizer, oai.chat_messages(body))
         return await self.generate(request, body, ids, chat=True)
 
-    async def generate(self, request: web.Request, body: dict, ids: list[int], chat: bool) -> web.StreamResponse:
+    async def generate(self, request: web.Request, body: dict, ids: list[int], chat: bool,
+                       echo: str | None = None) -> web.StreamResponse:
+        """echo (completions): the prompt's text, returned before the completion (with its tokens'
+        logprobs when logprobs are asked); with max_tokens 0, only the prompt (one token is computed
+        and dropped: how evaluation harnesses score a text)."""
         adapter = self.adapter_for(body)
         limit = self.client.status.max_model_len
         if len(ids) >= limit:
             raise ApiError(400, f"the prompt is {len(ids)} tokens; this model's context is {limit} tokens",
                            "messages" if chat else "prompt", "context_length_exceeded")
-        oai.refuse_unsupported(body)
+        oai.refuse_unsupported(body, chat)
+        prompt_only = echo is not None and body.get("max_tokens") == 0
+        if prompt_only:
+            body = {**body, "max_tokens": 1}
         params = oai.sampling_params(body, default_max_tokens=None if chat else 16, chat=chat)
+        if echo is not None and params.logprobs is not None:
+            params = msgspec.structs.replace(params, prompt_logprobs=params.logprobs)
+        view = _Echo(echo, ids, prompt_only)
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             raise ApiError(400, "'cache_salt' must be a string", "cache_salt")
@@ -164,13 +177,16 @@ class OpenAIServer:
         gens = Merged([self.client.generate(ids, _choice_params(params, i), adapter, salt, stream=stream,
                                             request_id=rid if n == 1 else f"{rid}-{i}") for i in range(n)])
         if stream:
-            return await self.stream(request, gens, rid, model, chat, oai.stream_options(body), adapter)
+            return await self.stream(request, gens, rid, model, chat, oai.stream_options(body), adapter, view)
         start = time.monotonic()
         texts, entries, finals = [""] * n, [[] for _ in range(n)], [None] * n
+        prompt_lps = [None] * n
         try:
             async for i, out in gens:
                 texts[i] += out.text
                 entries[i] += out.logprobs
+                if out.prompt_logprobs is not None:
+                    prompt_lps[i] = out.prompt_logprobs
                 if out.finish_reason is not None:
                     finals[i] = out
                     self.observe(adapter, out.finish_reason, start)
@@ -178,10 +194,14 @@ class OpenAIServer:
                         break
         finally:
             await gens.aclose()
-        use = oai.usage(finals[0].prompt_tokens, sum(o.completion_tokens for o in finals),
+        use = oai.usage(finals[0].prompt_tokens, 0 if prompt_only else sum(o.completion_tokens for o in finals),
                         max(o.cached_tokens for o in finals))
-        choices = [(texts[i], _finish(finals[i].finish_reason),
-                    self.logprobs(entries[i], chat, 0) if params.logprobs is not None else None) for i in range(n)]
+        choices = []
+        for i in range(n):
+            text, lps = view.text(texts[i], True), None
+            if params.logprobs is not None:
+                lps = view.logprobs(self, entries[i], prompt_lps[i], chat, 0, True)
+            choices.append((text, _finish(finals[i].finish_reason), lps))
         return web.json_response(oai.completion_response(rid, model, choices, chat, use))
 
     def logprobs(self, entries, chat: bool, offset: int) -> dict:
@@ -191,7 +211,8 @@ class OpenAIServer:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    async def stream(self, request, gens: "Merged", rid, model, chat, include_usage, adapter) -> web.StreamResponse:
+    async def stream(self, request, gens: "Merged", rid, model, chat, include_usage, adapter,
+                     view: "_Echo") -> web.StreamResponse:
         """Server-sent events: each output of choice i becomes a chunk with index i; usage (summed over
         the choices) and [DONE] after the last choice finishes."""
         start = time.monotonic()
@@ -214,11 +235,16 @@ class OpenAIServer:
                     metrics.ITL.observe(now - last_t)
                 last_t = now
                 if out.text or out.finish_reason or not started[i] or out.logprobs:
-                    lps = self.logprobs(out.logprobs, chat, sent[i]) if out.logprobs else None
-                    chunk = oai.completion_chunk(rid, model, out.text, _finish(out.finish_reason), chat,
-                                                 first=not started[i], logprobs=lps, index=i)
+                    first = not started[i]
+                    lps = None
+                    if out.logprobs or (first and out.prompt_logprobs is not None):
+                        lps = view.logprobs(self, out.logprobs, out.prompt_logprobs, chat, sent[i], first)
+                    chunk = oai.completion_chunk(rid, model, view.text(out.text, first), _finish(out.finish_reason),
+                                                 chat, first=first, logprobs=lps, index=i)
                     await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
                     started[i] = True
+                    if first and view.prompt is not None:
+                        sent[i] += len(view.prompt)
                     sent[i] += sum(len(self.token_text(e.token_id)) for e in out.logprobs)
                 if out.finish_reason is not None:
                     finals[i] = out
@@ -227,7 +253,8 @@ class OpenAIServer:
                         break
                 i, out = await gens.__anext__()
             if include_usage:
-                use = oai.usage(finals[0].prompt_tokens, sum(o.completion_tokens for o in finals),
+                use = oai.usage(finals[0].prompt_tokens,
+                                0 if view.prompt_only else sum(o.completion_tokens for o in finals),
                                 max(o.cached_tokens for o in finals))
                 chunk = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                          "created": int(time.time()), "model": model, "choices": [], "usage": use}
@@ -285,6 +312,25 @@ class OpenAIServer:
         else:
             from prometheus_client import REGISTRY as registry
         return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+class _Echo:
+    """How a completion's text and logprobs are shown with `echo` (the prompt first) and with echo and
+    max_tokens 0 (only the prompt: the one token computed is dropped). Without echo: as they are."""
+
+    def __init__(self, prompt: str | None, ids: list[int], prompt_only: bool):
+        self.prompt, self.ids, self.prompt_only = prompt, ids, prompt_only
+
+    def text(self, completion: str, first: bool) -> str:
+        head = self.prompt if first and self.prompt is not None else ""
+        return head + ("" if self.prompt_only else completion)
+
+    def logprobs(self, server: "OpenAIServer", entries, prompt_lps, chat: bool, offset: int, first: bool) -> dict:
+        entries = [] if self.prompt_only else entries
+        if not (first and self.prompt is not None):
+            return server.logprobs(entries, chat, offset)
+        head = oai.echo_logprobs(self.ids, prompt_lps or [None] * len(self.ids), server.token_text)
+        return oai.join_logprobs(head, server.logprobs(entries, chat, offset + len(self.prompt)))
 
 
 def _finish(reason: str | None) -> str | None:

@@ -71,6 +71,24 @@ def completion_logprobs(entries: list[TokenLogprobs], piece, offset: int) -> dic
             "text_offset": offsets}
 
 
+def echo_logprobs(prompt_ids: list[int], prompt_lps: list[TokenLogprobs | None], piece) -> dict:
+    """The echoed prompt's part of a completion's `logprobs`: one entry per prompt token, null where
+    there is no logprob (the first token, which nothing predicts)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for tok, e in zip(prompt_ids, prompt_lps):
+        out["tokens"].append(piece(tok))
+        out["token_logprobs"].append(None if e is None else e.logprob)
+        out["top_logprobs"].append(None if e is None else {piece(i): v for i, v in zip(e.top_ids, e.top_logprobs)})
+        out["text_offset"].append(offset)
+        offset += len(out["tokens"][-1])
+    return out
+
+
+def join_logprobs(a: dict, b: dict) -> dict:
+    return {k: a[k] + b[k] for k in a}
+
+
 def chat_logprobs(entries: list[TokenLogprobs], piece) -> dict:
     """The chat `logprobs` object: {"content": [{token, logprob, bytes, top_logprobs}, ...]}."""
     def one(i: int, v: float) -> dict:
@@ -82,14 +100,15 @@ def chat_logprobs(entries: list[TokenLogprobs], piece) -> dict:
 
 # Fields of OpenAI's (or vLLM's) API this server does not implement, with the values that mean "off": a
 # request that asks for one of them gets 400 naming it, rather than an answer that silently ignores it.
-UNSUPPORTED = {"echo": (False,), "suffix": ("",), "best_of": (1,), "tools": ([],), "functions": ([],),
+UNSUPPORTED = {"suffix": ("",), "best_of": (1,), "tools": ([],), "functions": ([],),
                "tool_choice": ("none",), "response_format": ({"type": "text"},), "use_beam_search": (False,),
                "prompt_logprobs": (0,), "guided_json": (), "guided_regex": (),
                "guided_choice": (), "guided_grammar": ()}
 
 
-def refuse_unsupported(body: dict) -> None:
-    for name, off in UNSUPPORTED.items():
+def refuse_unsupported(body: dict, chat: bool) -> None:
+    fields = {**UNSUPPORTED, "echo": (False,)} if chat else UNSUPPORTED    # echo: completions only
+    for name, off in fields.items():
         value = body.get(name)
         if value is None or any(value == o and type(value) is type(o) for o in off):
             continue

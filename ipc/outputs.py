@@ -28,6 +28,8 @@ class RequestOutput(msgspec.Struct, tag="out", **_STRUCT):
     error: str | None = None
     status: int = 0          # with `error`: the HTTP status it maps to (400 bad input, 404 unknown adapter)
     logprobs: list[TokenLogprobs] = []   # one per token of token_ids, when the request asked for logprobs
+    # in the first output, when the request asked for prompt_logprobs: one per prompt token, None first
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class AdapterReply(msgspec.Struct, tag="adapter", **_STRUCT):

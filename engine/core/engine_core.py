@@ -121,7 +121,9 @@ class EngineCore:
         r = Request(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), params=req.params,
                     max_tokens=self.max_tokens_for(len(req.prompt_token_ids), req.params.max_tokens),
                     eos_token_ids=self.cfg.model.eos_token_ids, adapter_id=adapter_id,
-                    cache_salt=req.cache_salt, arrival=time.monotonic())
+                    cache_salt=req.cache_salt, arrival=time.monotonic(), num_resumed=req.resumed)
+        if req.params.prompt_logprobs is not None:
+            r.prompt_logprobs = [None] * len(r.prompt_token_ids)
         self.requests[r.request_id] = r
         if adapter_id:
             self.adapters.enqueue(adapter_id)
@@ -169,9 +171,10 @@ class EngineCore:
             req = out.requests[row]
             done = id(req) in finished
             lp = self.runner.last_logprobs.get(row)
+            first = len(req.output_token_ids) == 1
             results.append(TokenOutput(req.request_id, [token], req.finish_reason.value if done else None,
                                        req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_tokens,
-                                       [lp] if lp is not None else []))
+                                       [lp] if lp is not None else [], req.prompt_logprobs if first else None))
             if done:
                 self.requests.pop(req.request_id, None)
                 self.runner.sampler.forget(req.request_id)

@@ -12,3 +12,4 @@ class TokenOutput(NamedTuple):
     completion_tokens: int
     cached_tokens: int
     logprobs: list = []          # TokenLogprobs per new token, when the request asked for them
+    prompt_logprobs: list | None = None   # with the first token, when asked: per prompt token (None first)

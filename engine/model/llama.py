@@ -95,8 +95,10 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
-                lora: LoraHook | None = None) -> torch.Tensor:
-        """input_ids, positions: [T]; logits_indices: [S] rows to project -> logits [S, vocab] fp32."""
+                lora: LoraHook | None = None, hidden_indices: torch.Tensor | None = None):
+        """input_ids, positions: [T]; logits_indices: [S] rows to project -> logits [S, vocab] fp32.
+        With hidden_indices [P]: -> (logits, those rows' final normed hidden states [P, H]) for the caller
+        to project in pieces (prompt logprobs, see logits_of)."""
         cfg, ops = self.cfg, self.ops
         x = F.embedding(input_ids, self.w.embed)                     # [T, H], the residual stream
         cos, sin = self.rope.cos[positions], self.rope.sin[positions]   # [T, head_dim]
@@ -120,5 +122,13 @@ class LlamaModel:
                 h = ops.add_rms_norm(x, down, layers[i + 1].input_norm, cfg.rms_norm_eps)   # x += down
             else:
                 x += down
+        if hidden_indices is not None:
+            hidden = ops.rms_norm(x[hidden_indices], self.w.norm, cfg.rms_norm_eps)
         x = ops.rms_norm(x[logits_indices], self.w.norm, cfg.rms_norm_eps)
-        return self.w.lm_head(x).float()
+        logits = self.w.lm_head(x).float()
+        return logits if hidden_indices is None else (logits, hidden)
+
+    @torch.inference_mode()
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Normed hidden states [P, H] -> logits [P, vocab] fp32."""
+        return self.w.lm_head(hidden).float()

@@ -272,6 +272,8 @@ class AsyncEngine:
             acc = self.pending[d.request_id] = RequestOutput(d.request_id)
         acc.token_ids = acc.token_ids + d.token_ids
         acc.logprobs = acc.logprobs + d.logprobs
+        if d.prompt_logprobs is not None:
+            acc.prompt_logprobs = d.prompt_logprobs
         acc.text += d.text
         acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens = d.prompt_tokens, d.completion_tokens, d.cached_tokens
         acc.finish_reason, acc.error, acc.status = d.finish_reason, d.error, d.status

@@ -59,3 +59,27 @@ def test_logprobs_match_transformers(small_llm, hf_model, tokenizer):
         for t, v in got.items():
             assert abs(v - float(row[t])) < 1e-3, (i, t)
     assert small_llm.generate([ids], SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].logprobs is None
+
+
+def test_prompt_logprobs_match_transformers_over_chunks_and_a_cached_prefix(small_llm, hf_model, tokenizer):
+    """prompt_logprobs: each prompt token's logprob where it was predicted (None for the first) and the
+    top alternatives, for a prompt prefilled in several chunks whose prefix is in the cache (a request
+    asking for prompt logprobs computes its whole prompt), next to a request that does not ask."""
+    import torch
+    text = "The history of the city is long and interesting. " * 8
+    ids = tokenizer(text)["input_ids"]
+    assert len(ids) > 64                                        # more than one 64-token chunk
+    small_llm.generate([ids], SamplingParams(temperature=0, max_tokens=2))        # its prefix now cached
+    outs = small_llm.generate([ids, ids[:10]], [SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2),
+                                               SamplingParams(temperature=0, max_tokens=2)])
+    got = outs[0].prompt_logprobs
+    assert outs[0].num_cached_tokens == 0 and outs[1].prompt_logprobs is None
+    assert len(got) == len(ids) and got[0] is None
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].float().log_softmax(-1)    # [len, vocab]
+    for i in range(1, len(ids)):
+        row = ref[i - 1]
+        assert set(got[i]) == {ids[i], *row.topk(2).indices.tolist()}, i
+        for t, v in got[i].items():
+            assert abs(v - float(row[t])) < 1e-3, (i, t)
+    assert_pool_idle(small_llm)

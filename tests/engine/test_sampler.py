@@ -145,3 +145,13 @@ def test_min_tokens_holds_back_eos_and_stop_ids_until_reached():
     assert s.sample(logits, ["a"], [p], [History([0], [2, 2], stops)]) == [1]    # reached: EOS again
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=5, max_tokens=4)
+
+
+def test_a_resumed_request_counts_its_earlier_output_for_penalties_not_for_min_tokens():
+    """Resent after an engine restart, a request's earlier output is at the end of its prompt; penalties
+    still count it as output, while its (reduced) min_tokens counts what this request generated."""
+    logits = torch.tensor([[0.0, 5.0, 3.0, 2.5]])                # EOS = 1
+    p = SamplingParams(temperature=0, min_tokens=1, frequency_penalty=1.0)
+    resumed = History([0], [2, 2], (1,), generated=0)             # two earlier tokens, none generated here
+    assert process_logits(logits, [p], [resumed])[0, 2] == 1.0    # 3.0 - 2 x 1.0
+    assert Sampler(0).sample(logits, ["a"], [p], [resumed]) == [3]   # EOS held back, 2 penalized

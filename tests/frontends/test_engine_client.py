@@ -3,6 +3,7 @@ import asyncio
 import contextlib
 import time
 
+import msgspec
 import pytest
 import requests
 
@@ -22,6 +23,9 @@ def test_blocking_client_generates_streams_and_manages_adapters(server, served_a
         assert len(whole.token_ids) == 8 and whole.finish_reason == "length"
         pieces = list(c.stream(ids, GREEDY, adapter="r8-all"))
         assert "".join(p.text for p in pieces) == whole.text
+        scored = c.generate(ids, msgspec.structs.replace(GREEDY, prompt_logprobs=1), adapter="r8-all")
+        assert scored.token_ids == whole.token_ids and scored.prompt_logprobs[0] is None
+        assert len(scored.prompt_logprobs) == len(ids) and all(e.logprob < 0 for e in scored.prompt_logprobs[1:])
         assert "via-client" in c.load_adapter("via-client", str(src / "r4-qv"))
         assert c.generate(ids, GREEDY, adapter="via-client").token_ids
         assert "via-client" not in c.unload_adapter("via-client")

@@ -156,7 +156,7 @@ def test_client_disconnect_frees_its_request(server):
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "logprobs": 50}', "logprobs"),
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "presence_penalty": 3}', "presence_penalty"),
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "logit_bias": {"x": 1}}', "logit_bias"),
-    ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "echo": true}', "echo"),
+    ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "echo": true, "max_tokens": -1}', "max_tokens"),
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "best_of": 3}', "best_of"),
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "tools": [{"type": "function"}]}', "tools"),
     ('[1, 2, 3]', None),
@@ -180,6 +180,30 @@ def test_logit_bias_and_penalties_as_the_openai_client_sends_them(server, client
     with pytest.raises(openai.BadRequestError, match="logit_bias"):
         client.completions.create(model=BASE, prompt="Hi", max_tokens=2, logit_bias={"99999999": 5})
     assert client.completions.create(model=BASE, prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+def test_echo_with_prompt_logprobs_streamed_or_not_and_prompt_only(server, client):
+    """echo: the prompt first, with its tokens' logprobs (null for the first); max_tokens 0 with echo
+    scores the prompt alone (how evaluation harnesses call it)."""
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=BASE, prompt=prompt, max_tokens=3, temperature=0, logprobs=1)
+    r = client.completions.create(model=BASE, prompt=prompt, max_tokens=3, temperature=0, logprobs=1, echo=True)
+    lp, n_prompt = r.choices[0].logprobs, r.usage.prompt_tokens
+    assert r.choices[0].text == prompt + plain.choices[0].text and r.usage.completion_tokens == 3
+    assert len(lp.tokens) == n_prompt + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v < 0 for v in lp.token_logprobs[1:n_prompt]) and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    assert lp.token_logprobs[n_prompt:] == plain.choices[0].logprobs.token_logprobs
+    assert lp.text_offset[n_prompt] == len(prompt)
+    scored = client.completions.create(model=BASE, prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    assert scored.choices[0].text == prompt and scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n_prompt]
+    chunks = list(client.completions.create(model=BASE, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                            stream=True))
+    assert chunks[0].choices[0].text.startswith(prompt)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+    with pytest.raises(openai.BadRequestError, match="echo"):
+        client.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"echo": True})
 
 
 def test_errors_unknown_model_long_prompt_and_api_key(server, client):
