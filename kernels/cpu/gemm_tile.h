@@ -81,7 +81,7 @@ static inline col_map map_columns(const lora_args *l, int c0, int ncols) {
     return cm;
 }
 
-/* vector j's first pair row of row r's B: 16 columns x 2 ranks, one 64-byte line; pair rows 2 out[g] apart */
+/* slot s's first pair row under vector j: 16 columns x 2 ranks, one 64-byte line; pair rows 2 out[g] apart */
 static inline const uint16_t *pair_base(const lora_args *l, const col_map *cm, int64_t s, int j) {
     const int g = cm->g[j];
     return l->b[g] + s * l->b_slot_stride[g] + 2 * (int64_t)cm->off[j];
