@@ -129,7 +129,6 @@ class ModelRunner:
                               if lp is not None}
         return dict(zip(inp.sample_rows, tokens))
 
-
     def _prompt_logprobs(self, hidden: torch.Tensor, targets: list) -> None:
         """Fill each target's request.prompt_logprobs[i]: the logprob of prompt token i where it was
         predicted, and the request's params.prompt_logprobs most likely tokens there."""
@@ -146,6 +145,8 @@ class ModelRunner:
                                                        top_v[j, :n].tolist())
 
 
+PROMPT_LOGITS_ROWS = 256   # prompt positions projected to the vocabulary at a time (~50 MB of fp32 logits)
+
 
 def _history(r) -> History:
     """A request as logit processing sees it; a resumed request's earlier output counts as output."""
@@ -153,8 +154,6 @@ def _history(r) -> History:
     stops = tuple(r.params.stop_token_ids) + (() if r.params.ignore_eos else tuple(r.eos_token_ids))
     return History(r.prompt_token_ids[:cut], r.prompt_token_ids[cut:] + r.output_token_ids, stops,
                    len(r.output_token_ids))
-
-PROMPT_LOGITS_ROWS = 256   # prompt positions projected to the vocabulary at a time (~50 MB of fp32 logits)
 
 
 def _chunk_mask(start: int, n: int) -> torch.Tensor | None:

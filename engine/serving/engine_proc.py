@@ -19,7 +19,6 @@ import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import msgspec
 import zmq

@@ -4,7 +4,6 @@ import torch
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
-from tests.conftest import assert_pool_idle
 from tests.peft_adapters import FIDELITY_ADAPTERS
 
 PROMPTS = ["The weather today is", "My favourite recipe uses", "In 1850 the city of", "def fibonacci(n):"]
