@@ -151,3 +151,27 @@ def test_bf16_decode_lora_inside_the_base_gemm(group, n_in, path):
     torch.testing.assert_close(fused.float(), ref, atol=0.1, rtol=2e-2)
     torch.testing.assert_close(fused.float(), unfused.float(), atol=0.1, rtol=2e-2)
     assert torch.equal(fused[[2, 7]], lin(x)[[2, 7]])       # base tokens untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slot_assign_writes_the_layout_the_kernels_read(tmp_path, dtype):
+    """An adapter of odd rank copied from its packed pages into a slot: A rank-major, B pre-scaled and
+    transposed, in bf16 with AVX512-BF16 paired by ranks (the odd rank's partner zero); b_rows reads it
+    back whatever the layout."""
+    from engine.lora.host_adapter import load_host_adapter
+    from engine.lora.layout import pack, plan_layout, unpack_module
+    from engine.lora.slots import SLOT_OF_MODULE
+    from tests.engine.lora.synthetic import SHAPES, write_adapter
+    cfg = dataclasses.replace(TINY, dtype=dtype)
+    host = load_host_adapter(write_adapter(tmp_path / "a", 5, tuple(SHAPES)), cfg, max_rank=8)
+    layout = plan_layout(host)
+    flat = pack(host, layout, 256).flatten()
+    slots = LoraSlots(LoraConfig(max_loras=2, max_lora_rank=8), cfg)
+    assert slots.paired == c_lora.pairs_b(dtype)
+    s = slots.assign(1, layout, flat, busy=set())
+    for (layer, module), ms in layout.modules.items():
+        a, b = unpack_module(flat, ms)
+        a_name, idx, b_name = SLOT_OF_MODULE[module]
+        assert torch.equal(slots.buf[a_name][layer, s, :5, idx], a)
+        want = torch.cat([(b * ms.scale).T, torch.zeros(3, b.shape[0], dtype=dtype)])
+        assert torch.equal(slots.b_rows(b_name, layer, s, 8), want), (layer, module)
