@@ -214,7 +214,9 @@ int write_kv_paired_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v,
                          int KVH, int d, int bs) {
     if (d % 2 || bs % 2) return -1;
     const int64_t piece = (int64_t)bs * d;
-#pragma omp parallel for schedule(static) if (rows > 64)
+    /* each token's writes wait on their own cache misses (a decode step's tokens are on scattered pages):
+     * spread them over the threads from a few rows on (measured: a 64-row decode step, 30 layers: 2.6 -> 2.0 ms) */
+#pragma omp parallel for schedule(static) if (rows > 8)
     for (int64_t t = 0; t < rows; t++) {
         const int64_t o = offs[t];
         uint16_t *kp = k_cache + pages[t] * page_stride, *vp = v_cache + pages[t] * page_stride;
