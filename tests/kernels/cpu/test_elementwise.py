@@ -54,6 +54,20 @@ def test_silu_mul(dtype, tol):
         assert (out == ref).float().mean() > 0.99
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_silu_mul_at_extreme_gates(dtype):
+    """Large finite gates of either sign, across the vector part and the scalar tail (I = 20): what torch
+    gives, to the last bit in bf16 but for values below 1e-30 (large negative gates used to give NaN:
+    a / (1 + e^-a) divided by an infinity that -ffast-math leaves undefined)."""
+    gate = torch.tensor([-1e4, -100.0, -89.0, -88.0, -20.0, -1.0, 0.0, 1.0, 20.0, 88.0, 89.0, 100.0, 1e4,
+                         -3e38, 3e38, -50.0, -100.0, 100.0, -89.0, 3.0])
+    up = torch.linspace(-2, 2, 20)
+    gu = torch.cat([gate, up]).to(dtype)[None]
+    out, ref = ew.silu_mul(gu), F.silu(gu[:, :20]) * gu[:, 20:]
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=1e-30, rtol=0 if dtype == torch.bfloat16 else 1e-6)
+
+
 @pytest.mark.parametrize("dtype,tol", DTYPES)
 def test_rope_in_place_on_a_fused_qkv_view(dtype, tol):
     rope = Rope(64, 512, 10000.0, None, dtype)
