@@ -112,10 +112,14 @@ class OpenAIServer:
             return web.json_response(ApiError(e.status, str(e)).body(), status=e.status)
 
     async def body(self, request: web.Request) -> dict:
+        """The JSON object of the body: strict JSON (no NaN or Infinity), valid UTF-8 (no lone
+        surrogates), numbers in range, nesting within msgspec's depth limit."""
+        raw = await request.read()
         try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "the request body is not valid JSON") from None
+            body = msgspec.json.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
+            detail = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            raise ApiError(400, f"the request body is not valid JSON: {detail}") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         return body
@@ -158,6 +162,11 @@ class OpenAIServer:
         if len(ids) >= limit:
             raise ApiError(400, f"the prompt is {len(ids)} tokens; this model's context is {limit} tokens",
                            "messages" if chat else "prompt", "context_length_exceeded")
+        asked = next((f for f in ("max_completion_tokens", "max_tokens") if isinstance(body.get(f), int)), None)
+        if asked and body[asked] > limit - len(ids) and not (echo is not None and body[asked] == 0):
+            raise ApiError(400, f"'{asked}' is {body[asked]}, but the prompt is {len(ids)} tokens and this model's "
+                           f"context is {limit}: at most {limit - len(ids)} can be generated", asked,
+                           "context_length_exceeded")
         oai.refuse_unsupported(body, chat)
         prompt_only = echo is not None and body.get("max_tokens") == 0
         if prompt_only:
@@ -340,7 +349,9 @@ def _finish(reason: str | None) -> str | None:
 async def serve(engine_address: str, host: str, port: int, api_key: str | None, frontend_id: str) -> None:
     client = await AsyncEngineClient(engine_address, frontend_id).connect(timeout=600)
     server = OpenAIServer(client, api_key)
-    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
+    # handler_cancellation: a client that goes away cancels its handler, which aborts its engine requests
+    # (also for non-streamed requests, which write nothing until they finish)
+    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_port=True)
     await site.start()

@@ -32,6 +32,21 @@ def field(body: dict, name: str, types, default=None, required: bool = False):
         raise ApiError(400, f"'{name}' must be of type {_names(types)}", name)
     if not isinstance(value, types):
         raise ApiError(400, f"'{name}' must be of type {_names(types)}", name)
+    if isinstance(value, int) and not isinstance(value, bool) and not _INT64[0] <= value < _INT64[1]:
+        raise ApiError(400, f"'{name}' is out of range, got {value}", name)
+    return value
+
+
+_INT64 = (-2 ** 63, 2 ** 63)   # what the engine's messages carry
+
+
+def token_ids(value, name: str) -> list[int]:
+    """A list of token ids (non-negative integers; the engine checks them against its vocabulary)."""
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ApiError(400, f"'{name}' must be an array of token ids", name)
+    bad = next((t for t in value if not 0 <= t < _INT64[1]), None)
+    if bad is not None:
+        raise ApiError(400, f"'{name}': token ids must be non-negative integers below 2**63, got {bad}", name)
     return value
 
 
@@ -124,8 +139,9 @@ def logit_bias_field(body: dict) -> dict[int, float]:
     for k, v in raw.items():
         try:
             out[int(k)] = float(v)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise ApiError(400, f"'logit_bias' maps token ids to numbers, got {k!r}: {v!r}", "logit_bias") from None
+    token_ids(list(out), "logit_bias")
     return out
 
 
@@ -139,7 +155,7 @@ def sampling_params(body: dict, default_max_tokens: int | None, chat: bool = Fal
     kw = dict(temperature=float(field(body, "temperature", (int, float), 1.0)),
               top_p=float(field(body, "top_p", (int, float), 1.0)), top_k=field(body, "top_k", int, -1),
               seed=field(body, "seed", int, None), max_tokens=max_tokens, stop=stop,
-              stop_token_ids=field(body, "stop_token_ids", list, []), ignore_eos=field(body, "ignore_eos", bool, False),
+              stop_token_ids=token_ids(field(body, "stop_token_ids", list, []), "stop_token_ids"), ignore_eos=field(body, "ignore_eos", bool, False),
               logprobs=logprobs_field(body, chat),
               presence_penalty=float(field(body, "presence_penalty", (int, float), 0.0)),
               frequency_penalty=float(field(body, "frequency_penalty", (int, float), 0.0)),
@@ -148,7 +164,7 @@ def sampling_params(body: dict, default_max_tokens: int | None, chat: bool = Fal
     try:
         return SamplingParams(**kw)
     except ValueError as e:
-        param = next((f for f in kw if str(e).startswith(f)), None)
+        param = max((f for f in kw if str(e).startswith(f)), key=len, default=None)   # stop_token_ids, not stop
         raise ApiError(400, str(e), param) from None
 
 
@@ -176,6 +192,7 @@ def completion_prompt(body: dict) -> str | list[int]:
         if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             raise ApiError(400, "'prompt' must be a string, or an array of token ids (batches are not supported)",
                            "prompt")
+        token_ids(prompt, "prompt")
     return prompt
 
 

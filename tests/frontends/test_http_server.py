@@ -145,6 +145,20 @@ def test_client_disconnect_frees_its_request(server):
     assert wait_until(idle, timeout=30), requests.get(server.url + "/metrics").text[-2000:]
 
 
+def test_non_streamed_request_is_aborted_when_its_client_goes_away(server):
+    """aiohttp cancels the handler of a dropped connection (handler_cancellation); the handler aborts its
+    engine request, which would otherwise run to max_tokens for nobody."""
+    body = {"model": BASE, "prompt": "Write a very long essay.", "max_tokens": 4000, "temperature": 0,
+            "ignore_eos": True}
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        requests.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=3)
+
+    def idle():
+        text = requests.get(server.url + "/metrics", timeout=10).text
+        return metric(text, "loraplex_requests_running") == 0 and metric(text, "loraplex_pool_pages", 'kind="kv"') == 0
+    assert wait_until(idle, timeout=30), requests.get(server.url + "/metrics").text[-2000:]
+
+
 @pytest.mark.parametrize("body, field", [
     ("{not json", None),
     ('{"prompt": "hi"}', "model"),
@@ -160,6 +174,16 @@ def test_client_disconnect_frees_its_request(server):
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "best_of": 3}', "best_of"),
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "tools": [{"type": "function"}]}', "tools"),
     ('[1, 2, 3]', None),
+    # hostile: not strict JSON, invalid Unicode, absurd nesting, numbers beyond int64 or the context
+    ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "temperature": NaN}', None),
+    ('{"model": "SmolLM2-135M-Instruct", "prompt": "a\\ud800b"}', None),
+    ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", None),
+    ('{"model": "SmolLM2-135M-Instruct", "prompt": [1, 1180591620717411303424]}', "prompt"),
+    ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "top_k": 1180591620717411303424}', "top_k"),
+    ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "stop_token_ids": ["x"]}', "stop_token_ids"),
+    ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "stop_token_ids": [-1]}', "stop_token_ids"),
+    ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "logit_bias": {"111111111111111111111111": 1}}', "logit_bias"),
+    ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "max_tokens": 1000000000000}', "max_tokens"),
 ])
 def test_malformed_bodies_get_400_and_the_server_keeps_serving(server, client, body, field):
     r = requests.post(server.url + "/v1/completions", data=body, headers={**AUTH, "Content-Type": "application/json"})
