@@ -109,4 +109,13 @@ def _check_module(cfg, spec, layer, module, ab, max_rank) -> LoraModule:
                          f"model and rank {r} need ({r}, {n_in}) and ({n_out}, {r}) (different base architecture?)")
     if r > max_rank:
         raise ValueError(f"adapter: rank {r} of {path} is above max_lora_rank={max_rank}")
-    return LoraModule(a.to(cfg.dtype).contiguous(), b.to(cfg.dtype).contiguous(), spec.scale_for(path))
+    weights = {"lora_A": a, "lora_B": b}
+    for name, t in weights.items():
+        if not t.is_floating_point():
+            raise ValueError(f"adapter: {path}.{name} is {t.dtype}; LoRA weights must be floating point")
+    weights = {name: t.to(cfg.dtype).contiguous() for name, t in weights.items()}
+    for name, t in weights.items():
+        # NaN, or beyond the model dtype's range: every output of this adapter's requests would be garbage
+        if not torch.isfinite(t).all():
+            raise ValueError(f"adapter: {path}.{name} holds NaN or infinite values (in {cfg.dtype})")
+    return LoraModule(weights["lora_A"], weights["lora_B"], spec.scale_for(path))

@@ -47,6 +47,18 @@ def test_shape_mismatch_and_rank_limit(tmp_path):
         load_host_adapter(tmp_path / "c", TINY, max_rank=64)
 
 
+@pytest.mark.parametrize("tensor, match", [
+    (torch.full((16, 4), float("nan")), "NaN or infinite"),
+    (torch.full((16, 4), 1e39, dtype=torch.float64), "NaN or infinite"),     # finite in fp64, inf in fp32
+    (torch.ones(16, 4, dtype=torch.int8), "floating point"),
+])
+def test_weights_that_cannot_give_numbers_are_refused(tmp_path, tensor, match):
+    key = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    write_adapter(tmp_path, 4, extra_tensors={key: tensor})
+    with pytest.raises(ValueError, match=f"layers.1.self_attn.v_proj.lora_B.*{match}"):
+        load_host_adapter(tmp_path, TINY, max_rank=64)
+
+
 def test_missing_target_weights_are_refused(tmp_path):
     write_adapter(tmp_path, 4, targets=("q_proj",), config_extra={"target_modules": ["q_proj", "v_proj"]})
     with pytest.raises(ValueError, match="v_proj"):
