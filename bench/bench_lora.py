@@ -108,7 +108,7 @@ def experiment_b(args, work: Path) -> None:
     results = {}
     for label, names in (("zipf over 1000", [f"b{i}" for i in picks]), ("single adapter", ["b0"] * n_requests)):
         llm = LLM(dtype=args.dtype, max_num_seqs=args.concurrency, max_loras=args.concurrency, max_lora_rank=16,
-                  max_num_batched_tokens=2048, enable_prefix_caching=False,
+                  max_num_batched_tokens=2048, enable_prefix_caching=False, scheduling_policy=args.scheduling_policy,
                   kv_cache_memory_bytes=(kv_pages + adapter_pages) * page_bytes)
         for i, d in enumerate(dirs):
             llm.register_adapter(f"b{i}", str(d))
@@ -133,6 +133,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="(a): alternated runs of each side")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--workdir", default=None, help="where to write adapters (kept for reuse)")
+    p.add_argument("--scheduling-policy", default="fair", choices=["fair", "fcfs"], help="(b): the engine's policy")
     args = p.parse_args()
     work = Path(args.workdir or Path(tempfile.gettempdir()) / "loraplex-bench-adapters")
     if args.experiment in ("a", "all"):

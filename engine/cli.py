@@ -22,11 +22,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in the host-memory tier")
     p.add_argument("--adapter-dir", default=None,
                    help="register every subfolder holding a PEFT adapter under the folder's name")
+    p.add_argument("--scheduling-policy", choices=("fair", "fcfs"), default=None,
+                   help="fair (default): the adapter with the fewest running requests goes next; fcfs: arrival order")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     names = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "block_size", "max_model_len",
-             "max_loras", "max_lora_rank", "max_cpu_loras")
+             "max_loras", "max_lora_rank", "max_cpu_loras", "scheduling_policy")
     kw = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     return dict(model=args.model, dtype=args.dtype, **kw)
 

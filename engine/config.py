@@ -110,6 +110,7 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024
     long_prefill_token_threshold: int = 512
+    scheduling_policy: str = "fair"    # "fair" across adapters, or "fcfs" (see engine/waiting_queue.py)
 
 
 @dataclass(frozen=True)
@@ -159,3 +160,6 @@ class EngineConfig:
                             ("block_size", c.block_size), ("kv_cache_memory_bytes", c.kv_cache_memory_bytes)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        from engine.waiting_queue import POLICIES
+        if s.scheduling_policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, got {s.scheduling_policy!r}")

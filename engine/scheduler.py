@@ -4,16 +4,18 @@ Each step gives every scheduled request a number of new tokens to compute: 1 for
 to the budget (capped by `long_prefill_token_threshold`) for a prompt, so long prompts are prefilled in
 chunks and prefill and decode of different requests share a step. When the pool runs out of pages the
 most recently arrived running request is preempted: its blocks are freed and it is recomputed later.
+Waiting requests are offered a place in the order of `WaitingQueue` (fair across adapters by default).
 """
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import Counter
 from dataclasses import dataclass, field
 
 from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus
+from engine.waiting_queue import WaitingQueue
 
 
 @dataclass
@@ -38,7 +40,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.admission = admission      # AdapterAdmission, or None without LoRA
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue(config.scheduling_policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
 
@@ -96,23 +98,26 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         adm = self.admission
-        freeze_new = bool(adm and self.waiting and self.waiting[0].blocked_by_cap > adm.cfg.starvation_steps)
-        i = 0
+        oldest = self.waiting.oldest()
+        freeze_new = bool(adm and oldest and oldest.blocked_by_cap > adm.cfg.starvation_steps)
         # NOTE: skipped requests (adapter loading, cap) stay queued; the scan is bounded so a long queue
         # costs O(window) per step.
-        window = min(len(self.waiting), 4 * self.config.max_num_seqs)
-        while i < window and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[i]
-            if adm and not adm.can_admit(req, freeze_new and i > 0):
-                i += 1
+        window = 4 * self.config.max_num_seqs
+        offers = self.waiting.order(Counter(r.adapter_id for r in self.running))
+        admitted, stop = [], None
+        for req in itertools.islice(offers, window):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                stop = req
+                break
+            if adm and not adm.can_admit(req, freeze_new and req is not oldest):
                 continue
             cached = self.kv.find_cached_prefix(req)
             remaining = req.num_tokens - len(cached) * self.kv.block_size
             n = min(remaining, budget, self.config.long_prefill_token_threshold)
             if not self.kv.can_allocate(req, n, cached):
+                stop = req
                 break
-            del self.waiting[i]
-            window -= 1
+            admitted.append(req)
             self.kv.allocate(req, n, cached)
             if adm:
                 adm.admit(req)
@@ -121,9 +126,11 @@ class Scheduler:
             out.requests.append(req)
             out.num_new_tokens.append(n)
             budget -= n
-        if adm:
-            for req in itertools.islice(self.waiting, i, i + 2 * adm.cfg.max_loras):
+        if adm:      # start loading the adapters of the next requests in line
+            for req in itertools.chain([stop] if stop else [], itertools.islice(offers, 2 * adm.cfg.max_loras)):
                 adm.prefetch(req)
+        for req in admitted:
+            self.waiting.remove(req)
 
     def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
         """Advance every scheduled request; append sampled tokens (keyed by position in `out.requests`);

@@ -162,7 +162,7 @@ class EngineCore:
             if self.adapters is not None and self.adapters.loading():
                 self.adapters.wait_loads()
             elif self.scheduler.waiting and not self.scheduler.running:
-                results.append(self._fail_unservable(self.scheduler.waiting[0]))
+                results.append(self._fail_unservable(self.scheduler.waiting.oldest()))
             return results
         self._order_by_slot(out)
         sampled = self.runner.execute(out, self._lora_batch(out))

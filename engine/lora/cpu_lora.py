@@ -99,7 +99,7 @@ class LoraBatch:
         buckets = [_bucket(g, per_slot) for g in groups.values()]
         return cls(slots, buckets, decode, rank, modules, fused_rows=fused_rows)
 
-    def fused(self, layer: int, group: str, x: torch.Tensor) -> GemmLora | None:
+    def fused(self, layer: int, group: str) -> GemmLora | None:
         """The decode tokens' LoRA for a C base GEMM to compute itself (c_gemm.GemmLora), or None; after
         such a GEMM, apply(..., fused=True) adds only the other tokens' deltas."""
         if self.fused_rows is None or group not in self.groups:

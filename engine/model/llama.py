@@ -20,7 +20,7 @@ from kernels.cpu.gemm import GemmLora
 
 
 class LoraHook(Protocol):
-    def fused(self, layer: int, group: str, x: torch.Tensor) -> GemmLora | None:
+    def fused(self, layer: int, group: str) -> GemmLora | None:
         """Deltas a C base GEMM can add itself (some tokens'), or None."""
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor, fused: bool = False) -> None:
@@ -78,7 +78,7 @@ def project(linear: Linear, layer: int, group: str, x: torch.Tensor, lora: LoraH
     """linear(x) plus the adapters' deltas of that group."""
     if lora is None:
         return linear(x)
-    fused = lora.fused(layer, group, x) if linear.takes_lora else None
+    fused = lora.fused(layer, group) if linear.takes_lora else None
     y = linear(x, fused)
     lora.apply(layer, group, x, y, fused=fused is not None)
     return y

@@ -143,7 +143,7 @@ def test_bf16_decode_lora_inside_the_base_gemm(group, n_in, path):
     g = torch.Generator().manual_seed(5)
     lin = Linear((torch.randn(width, n_in, generator=g) * 0.2).to(torch.bfloat16), kernel="c")
     x = (torch.randn(len(token_slots), n_in, generator=g) * 0.5).to(torch.bfloat16)
-    assert batch.fused(1, group, x) is not None
+    assert batch.fused(1, group) is not None
     fused = project(lin, 1, group, x, batch)
     unfused = lin(x)
     batch.apply(1, group, x, unfused)
