@@ -34,3 +34,13 @@ def write_peft_adapter(d: Path, cfg: ModelConfig, r: int, targets=ALL, seed: int
         "peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(targets), "bias": "none",
         "base_model_name_or_path": cfg.name, "task_type": "CAUSAL_LM"}))
     return d
+
+
+def mean_pages(dirs, engine_cfg) -> float:
+    """Pages of the unified pool the adapters in `dirs` take on average (as the engine lays them out)."""
+    from engine.lora.host_adapter import load_host_adapter
+    from engine.lora.layout import plan_layout
+    from engine.model_runner import page_elems
+    elems = page_elems(engine_cfg)
+    pages = [plan_layout(load_host_adapter(d, engine_cfg.model, 64)).num_pages(elems) for d in dirs]
+    return sum(pages) / len(pages)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from bench.adapters import ALL, write_peft_adapter
+from bench.adapters import ALL, mean_pages, write_peft_adapter
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.model_runner import page_elems
@@ -100,7 +100,7 @@ def experiment_b(args, work: Path) -> None:
             for i in range(n_adapters)]
     page_bytes = page_elems(EngineConfig.create(dtype=args.dtype)) * torch.finfo(getattr(torch, args.dtype)).bits // 8
     kv_pages = args.concurrency * -(-(args.prompt_len + args.out_len) // 16)
-    adapter_pages = resident * 3                          # a rank-8/16 q,v adapter takes 2-3 pages
+    adapter_pages = round(resident * mean_pages(dirs[:2], EngineConfig.create(dtype=args.dtype)))   # rank 8 and 16
     g = torch.Generator().manual_seed(1)
     zipf = 1.0 / torch.arange(1, n_adapters + 1).float() ** 1.2
     picks = torch.multinomial(zipf / zipf.sum(), n_requests, replacement=True, generator=g).tolist()

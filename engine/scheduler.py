@@ -105,11 +105,19 @@ class Scheduler:
         window = 4 * self.config.max_num_seqs
         offers = self.waiting.order(Counter(r.adapter_id for r in self.running))
         admitted, stop = [], None
-        for req in itertools.islice(offers, window):
+        places, awaiting_loads = self.config.max_num_seqs - len(self.running), 0
+        if adm:
+            adm.adapters.next_use = {}
+        for i, req in enumerate(itertools.islice(offers, window)):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 stop = req
                 break
-            if adm and not adm.can_admit(req, freeze_new and req is not oldest):
+            if adm and req.adapter_id:
+                adm.adapters.next_use.setdefault(req.adapter_id, i)
+            if adm and not adm.can_admit(req, freeze_new and req is not oldest,
+                                         may_load=len(admitted) + awaiting_loads < places):
+                if req.adapter_id and not adm.adapters.is_resident(req.adapter_id):
+                    awaiting_loads += 1      # its place is taken by the load (in flight or not yet started)
                 continue
             cached = self.kv.find_cached_prefix(req)
             remaining = req.num_tokens - len(cached) * self.kv.block_size
@@ -126,11 +134,18 @@ class Scheduler:
             out.requests.append(req)
             out.num_new_tokens.append(n)
             budget -= n
-        if adm:      # start loading the adapters of the next requests in line
+        if adm:      # start loading the adapters of the next requests in line, beside the running ones' KV
+            reserve = self._kv_growth()
             for req in itertools.chain([stop] if stop else [], itertools.islice(offers, 2 * adm.cfg.max_loras)):
-                adm.prefetch(req)
+                if not adm.prefetch(req, reserve):
+                    break
         for req in admitted:
             self.waiting.remove(req)
+
+    def _kv_growth(self) -> int:
+        """Pages the running requests may still need for their KV (each to its max_tokens)."""
+        bs = self.kv.block_size
+        return sum(max(0, -(-(len(r.prompt_token_ids) + r.max_tokens) // bs) - len(r.block_ids)) for r in self.running)
 
     def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
         """Advance every scheduled request; append sampled tokens (keyed by position in `out.requests`);

@@ -80,6 +80,9 @@ class AdapterManager:
         self.host: OrderedDict[int, HostAdapter] = OrderedDict()
         self.stats = AdapterStats()
         self.on_drop: list = []             # callbacks(adapter_id) when an adapter's weights are gone
+        # adapter id -> place in line of its first waiting request, as far as the scheduler's current pass
+        # has offered them (the others are further back): which queued adapters to evict first
+        self.next_use: dict[int, int] = {}
         self._ids = itertools.count(1)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="loraplex-adapter-reader")
 
@@ -152,15 +155,19 @@ class AdapterManager:
         return self.by_id[adapter_id].state == AdapterState.RESIDENT
 
     # -- loading ----------------------------------------------------------------------------------------
-    def start_load(self, a: Adapter, evict_queued: bool = True) -> bool:
+    def start_load(self, a: Adapter, evict_queued: bool = True, reserve: int = 0) -> bool:
         """Begin moving `a` into the pool (no-op if resident or loading). False if no room now.
-        A prefetch passes evict_queued=False so it never evicts an adapter that queued requests need."""
+        A prefetch passes evict_queued=False so it never evicts an adapter that queued requests need, and
+        `reserve`: pages to leave free after it (the KV the running requests will still write; a prefetch
+        into those pages would be evicted again for that KV before its request runs)."""
         if a.state != AdapterState.DISK:
             return True
         need = a.layout.num_pages(self.page_elems)
-        if not self.pool.can_allocate(need):
-            self.evict_idle(need - self.pool.num_free, evict_queued)
-            if not self.pool.can_allocate(need):
+        if not self.pool.can_allocate(need + reserve):
+            if reserve and self.pool.num_free + self._idle_pages(evict_queued) < need + reserve:
+                return False          # do not evict adapters for a load that would not fit anyway
+            self.evict_idle(need + reserve - self.pool.num_free, evict_queued)
+            if not self.pool.can_allocate(need + reserve):
                 return False
         a.pages = self.pool.allocate(need, PageKind.ADAPTER)
         a.state = AdapterState.LOADING
@@ -219,15 +226,23 @@ class AdapterManager:
                 a.future.exception()
 
     # -- eviction ---------------------------------------------------------------------------------------
+    def _idle_pages(self, evict_queued: bool) -> int:
+        return sum(len(a.pages) for i in self.lru if self.evictable(a := self.by_id[i]) and (evict_queued or not a.queued))
+
     def evictable(self, a: Adapter) -> bool:
         return a.state == AdapterState.RESIDENT and a.active == 0 and not a.pinned
 
     def evict_idle(self, num_pages: int, evict_queued: bool = True, keep: int = 0) -> int:
-        """Evict idle resident adapters (never `keep`) until `num_pages` pages are freed: least recently
-        used first, those no queued request needs before those that one does (only if `evict_queued`)."""
+        """Evict idle resident adapters (never `keep`) until `num_pages` pages are freed: those no queued
+        request needs first, least recently used first; then (only if `evict_queued`) those queued requests
+        need, the one needed furthest back in line first (`next_use`)."""
         freed = 0
         for pass_queued in (False, True) if evict_queued else (False,):
-            for adapter_id in list(self.lru):
+            order = list(self.lru)
+            if pass_queued:      # the adapter whose request is furthest back in line first (stable: LRU on ties)
+                far = len(order) + len(self.next_use)
+                order.sort(key=lambda i: -self.next_use.get(i, far))
+            for adapter_id in order:
                 a = self.by_id[adapter_id]
                 if freed >= num_pages:
                     return freed

@@ -3,8 +3,10 @@
 Rules: at most `max_loras` distinct adapters among running requests (base requests do not count); a
 request runs only once its adapter is resident in the pool and holds a compute slot; requests whose
 adapter is loading wait in the queue without holding anyone up, and their loads are started (prefetched)
-as soon as the scheduler sees them. When the oldest waiting request has been held back by the cap for
-`starvation_steps` steps, no new adapter is admitted until it fits.
+as soon as the scheduler sees them, but only for as many requests as there are free places (loads for
+requests further back would evict the adapters of those ahead: with many adapters, the pool thrashed).
+When the oldest waiting request has been held back by the cap for `starvation_steps` steps, no new
+adapter is admitted until it fits.
 """
 from __future__ import annotations
 
@@ -23,14 +25,19 @@ class AdapterAdmission:
         self.slots = slots
         self.running: dict[int, int] = {}     # adapter id -> running requests
 
-    def prefetch(self, req: Request) -> None:
+    def prefetch(self, req: Request, reserve: int = 0) -> bool:
+        """Start loading req's adapter ahead of its turn, if that fits beside `reserve` free pages
+        without evicting an adapter queued requests need. False when there was no room."""
         if req.adapter_id:
             a = self.adapters.by_id[req.adapter_id]
             if a.state == AdapterState.DISK:
-                self.adapters.start_load(a, evict_queued=False)
+                return self.adapters.start_load(a, evict_queued=False, reserve=reserve)
+        return True
 
-    def can_admit(self, req: Request, freeze_new: bool) -> bool:
-        """True when `req` may start running now; starts its adapter's load if needed."""
+    def can_admit(self, req: Request, freeze_new: bool, may_load: bool = True) -> bool:
+        """True when `req` may start running now; starts its adapter's load if needed and `may_load`
+        (the scheduler allows loads only for requests that a free place awaits: a load for a request
+        further back would evict adapters that the requests ahead of it are about to use)."""
         aid = req.adapter_id
         if not aid:
             return True
@@ -39,7 +46,8 @@ class AdapterAdmission:
             return False
         if not self.adapters.is_resident(aid):
             req.cold_start = True
-            self.adapters.start_load(self.adapters.by_id[aid])
+            if may_load:
+                self.adapters.start_load(self.adapters.by_id[aid])
             return False
         return self.slots.has(aid) or self.slots.can_assign(set(self.running))
 

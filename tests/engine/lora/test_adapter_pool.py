@@ -131,3 +131,35 @@ def test_ten_thousand_random_cycles_keep_accounting_exact(tmp_path):
     assert pool.num_free == pool.num_pages and sum(pool.ref_count) == 0
     assert not m.by_id and not m.host and not m.lru
     assert m.stats.loads > 100 and m.stats.evictions > 100
+
+
+def test_a_prefetch_leaves_its_reserve_free_and_evicts_nothing_when_it_cannot_fit(tmp_path):
+    m, pool = manager(6)
+    a, b = (m.register(n, write_adapter(tmp_path / n, r=4, seed=i)) for i, n in enumerate("ab"))
+    load(m, a)                                                 # idle, no request needs it: 2 of 6 pages
+    assert not m.start_load(b, evict_queued=False, reserve=5)  # 2 + 5 > 6 even without a: a stays
+    assert a.state == AdapterState.RESIDENT and m.stats.evictions == 0 and b.state == AdapterState.DISK
+    assert m.start_load(b, evict_queued=False, reserve=3)      # fits once a goes: 6 - 2 >= 3
+    m.wait_loads()
+    m.poll()
+    assert b.state == AdapterState.RESIDENT and a.state == AdapterState.DISK and pool.num_free == 4
+
+
+def test_queued_adapters_are_evicted_furthest_back_in_line_first(tmp_path):
+    m, pool = manager(6)
+    ads = [m.register(n, write_adapter(tmp_path / n, r=4, seed=i)) for i, n in enumerate("abc")]
+    for a in ads:
+        load(m, a)
+        m.enqueue(a.adapter_id)                                # each waits for a request in line
+    m.next_use = {ads[0].adapter_id: 0, ads[2].adapter_id: 5}  # b was not reached: further back still
+    d = m.register("d", write_adapter(tmp_path / "d", r=4, seed=9))
+    assert m.start_load(d)                                     # evicts b (unknown place: furthest back)
+    assert [a.state for a in ads] == [AdapterState.RESIDENT, AdapterState.DISK, AdapterState.RESIDENT]
+    m.wait_loads()
+    m.poll()
+    m.enqueue(d.adapter_id)
+    m.next_use[d.adapter_id] = 1
+    e = m.register("e", write_adapter(tmp_path / "e", r=4, seed=10))
+    assert m.start_load(e)                                     # c (place 5) before d (1) and a (0)
+    assert [a.state for a in ads] == [AdapterState.RESIDENT, AdapterState.DISK, AdapterState.DISK]
+    assert d.state == AdapterState.RESIDENT
