@@ -134,18 +134,23 @@ class Scheduler:
             out.requests.append(req)
             out.num_new_tokens.append(n)
             budget -= n
-        if adm:      # start loading the adapters of the next requests in line, beside the running ones' KV
-            reserve = self._kv_growth()
-            for req in itertools.chain([stop] if stop else [], itertools.islice(offers, 2 * adm.cfg.max_loras)):
-                if not adm.prefetch(req, reserve):
-                    break
+        if adm:
+            self._prefetch(itertools.chain([stop] if stop else [], itertools.islice(offers, 2 * adm.cfg.max_loras)))
         for req in admitted:
             self.waiting.remove(req)
+
+    def _prefetch(self, upcoming) -> None:
+        """Start loading the adapters of the next requests in line, beside the running ones' KV."""
+        reserve = self._kv_growth()
+        for req in upcoming:
+            if not self.admission.prefetch(req, reserve):
+                break
 
     def _kv_growth(self) -> int:
         """Pages the running requests may still need for their KV (each to its max_tokens)."""
         bs = self.kv.block_size
-        return sum(max(0, -(-(len(r.prompt_token_ids) + r.max_tokens) // bs) - len(r.block_ids)) for r in self.running)
+        final_blocks = (-(-(len(r.prompt_token_ids) + r.max_tokens) // bs) for r in self.running)
+        return sum(max(0, n - len(r.block_ids)) for n, r in zip(final_blocks, self.running))
 
     def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[Request]:
         """Advance every scheduled request; append sampled tokens (keyed by position in `out.requests`);

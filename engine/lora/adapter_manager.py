@@ -227,7 +227,9 @@ class AdapterManager:
 
     # -- eviction ---------------------------------------------------------------------------------------
     def _idle_pages(self, evict_queued: bool) -> int:
-        return sum(len(a.pages) for i in self.lru if self.evictable(a := self.by_id[i]) and (evict_queued or not a.queued))
+        """Pages evict_idle(..., evict_queued) could free."""
+        idle = (self.by_id[i] for i in self.lru)
+        return sum(len(a.pages) for a in idle if self.evictable(a) and (evict_queued or not a.queued))
 
     def evictable(self, a: Adapter) -> bool:
         return a.state == AdapterState.RESIDENT and a.active == 0 and not a.pinned
