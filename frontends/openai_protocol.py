@@ -117,7 +117,7 @@ def chat_logprobs(entries: list[TokenLogprobs], piece) -> dict:
 # request that asks for one of them gets 400 naming it, rather than an answer that silently ignores it.
 UNSUPPORTED = {"suffix": ("",), "best_of": (1,), "tools": ([],), "functions": ([],),
                "tool_choice": ("none",), "response_format": ({"type": "text"},), "use_beam_search": (False,),
-               "prompt_logprobs": (0,), "guided_json": (), "guided_regex": (),
+               "prompt_logprobs": (), "guided_json": (), "guided_regex": (),
                "guided_choice": (), "guided_grammar": ()}
 
 

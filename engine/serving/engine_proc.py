@@ -25,6 +25,7 @@ import zmq
 import zmq.asyncio
 
 from engine import envs
+from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.output_processor import OutputProcessor
 from engine.request import FinishReason
@@ -57,7 +58,6 @@ class AsyncEngine:
 
     # -- set-up -----------------------------------------------------------------------------------------
     async def start(self) -> None:
-        from engine.config import EngineConfig
         from engine.tokenizer import load_tokenizer
 
         def build():
@@ -303,6 +303,11 @@ def main(argv: list[str] | None = None) -> int:
                    "(registered again when a restarted engine starts)")
     args = p.parse_args(argv)
     logging.basicConfig(level=envs.log_level(), format="%(asctime)s engine %(levelname)s %(message)s")
+    try:      # a bad setting (flag or --config) is one line naming it, not a traceback
+        EngineConfig.create(**json.loads(args.engine_args))
+    except ValueError as e:
+        print(f"loraplex: error: {e}", file=sys.stderr, flush=True)
+        return 2
     import uvloop
     engine = AsyncEngine(json.loads(args.engine_args), args.address, args.adapter_dir, args.state_file)
 

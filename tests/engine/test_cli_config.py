@@ -33,3 +33,16 @@ def test_unknown_config_key_is_named(tmp_path):
 def test_adapter_metric_labels_are_bounded():
     labels = AdapterLabels(limit=3)
     assert [labels(n) for n in ["a", "b", None, "c", "d", "a"]] == ["a", "b", "base", "c", "other", "a"]
+
+
+@pytest.mark.parametrize("setting, named", [({"scheduling_policy": "lottery"}, "scheduling_policy"),
+                                            ({"max_loras": 0}, "max_loras")])
+def test_a_bad_engine_setting_is_one_line_naming_it(setting, named):
+    import json
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-m", "engine.serving.engine_proc", "--address", "ipc:///tmp/loraplex-unused",
+                           "--engine-args", json.dumps({"model": "default", **setting})],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert f"loraplex: error: {named}" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

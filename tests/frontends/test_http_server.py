@@ -173,6 +173,7 @@ def test_non_streamed_request_is_aborted_when_its_client_goes_away(server):
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "echo": true, "max_tokens": -1}', "max_tokens"),
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "best_of": 3}', "best_of"),
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "tools": [{"type": "function"}]}', "tools"),
+    ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "prompt_logprobs": 0}', "prompt_logprobs"),
     ('[1, 2, 3]', None),
     # hostile: not strict JSON, invalid Unicode, absurd nesting, numbers beyond int64 or the context
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "temperature": NaN}', None),
