@@ -27,28 +27,38 @@
 #include "bf16.h"
 
 #define QG 4        /* query heads per register group */
-#define PF_AHEAD 2  /* blocks prefetched ahead */
+#define PF_SCORE 16 /* lines of the next row prefetched per score tile ... */
+#define PF_PAIR 6   /* ... and per V token pair: together about one row's K and V (see line_cursor) */
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 
-static inline void prefetch_l2(const void *p, int64_t bytes) {
-    for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch((const char *)p + i, _MM_HINT_T1);
+/* A thread's rows are memory-bound: their K and V come from scattered pages, and each row's compute is
+ * short. While a thread computes one row it prefetches the next row's blocks into L2, a few lines at a
+ * time from inside the compute loops (a row's K and V are read 2 * KVH times, so the next row's lines,
+ * spread over all of this row's score tiles and V pairs, are all requested about once). Bursts of a
+ * whole block at a time were mostly dropped; measured here, 64 rows x 192 tokens x 30 layers: 16-17 ->
+ * 20 GB/s (a plain read of the same blocks in the same order: 29 GB/s). */
+typedef struct {
+    const char *k, *v;
+    const int64_t *table;       /* the next row's; NULL when none */
+    int64_t nblocks, page_bytes, lines, b, line;   /* lines: of one block's K (as many of its V) */
+} line_cursor;
+
+static inline __attribute__((always_inline)) void cursor_step(line_cursor *c, int n) {
+    for (int u = 0; u < n; u++) {
+        if (c->b >= c->nblocks) return;
+        const int64_t off = c->table[c->b] * c->page_bytes + 64 * (c->line >> 1);
+        _mm_prefetch((c->line & 1 ? c->v : c->k) + off, _MM_HINT_T1);
+        if (++c->line == 2 * c->lines) { c->line = 0; c->b++; }
+    }
 }
 
-/* Prefetches the blocks of the row a thread computes next, a block at a time, while it computes this one. */
-typedef struct {
-    const uint16_t *k, *v;
-    const int64_t *table;        /* of the next row; NULL when none */
-    int64_t next, nblocks, page_stride, bytes;
-} next_row;
-
-static inline void prefetch_next_block(next_row *c) {
-    if (c->table && c->next < c->nblocks) {
-        prefetch_l2(c->k + c->table[c->next] * c->page_stride, c->bytes);
-        prefetch_l2(c->v + c->table[c->next] * c->page_stride, c->bytes);
-        c->next++;
-    }
+static inline line_cursor cursor_of(const uint16_t *k, const uint16_t *v, int64_t page_stride, const int64_t *table,
+                                    int64_t len, int bs, int d, int KVH) {
+    line_cursor c = {(const char *)k, (const char *)v, table, table ? (len + bs - 1) / bs : 0, page_stride * 2,
+                     (int64_t)bs * d * KVH * 2 / 64, 0, 0};
+    return c;
 }
 
 /* scores of gn <= QG query heads (bf16 pairs q32[g * qs32 + p]) against the 16 tokens of one K tile
@@ -56,7 +66,8 @@ static inline void prefetch_next_block(next_row *c) {
  * lane by lane. Even and odd pairs go to separate accumulators: twice the independent chains. */
 static inline __attribute__((always_inline)) void score_tile(const int32_t *q32, int qs32, const uint16_t *kt, int bs,
                                                              int d, int n, float scale, float *s, int64_t ss,
-                                                             __m512 *mx, const int gn) {
+                                                             __m512 *mx, const int gn, line_cursor *cur) {
+    cursor_step(cur, PF_SCORE);
     __m512 acc[2][QG];
     for (int g = 0; g < gn; g++) acc[0][g] = acc[1][g] = _mm512_setzero_ps();
     for (int p = 0; p < d / 2; p += 2)
@@ -77,8 +88,9 @@ static inline __attribute__((always_inline)) void score_tile(const int32_t *q32,
  * V block of p32[g * ps32 + j] . v_pair(j); npairs pairs, the last one's odd token masked when `odd`. */
 static inline __attribute__((always_inline)) void pv_block(__m512 acc[QG][4], const uint32_t *p32, int64_t ps32,
                                                            const uint16_t *vb, int d, int c0, const int nc,
-                                                           int npairs, int odd, const int gn) {
+                                                           int npairs, int odd, const int gn, line_cursor *cur) {
     for (int j = 0; j < npairs; j++) {
+        cursor_step(cur, PF_PAIR);
         const uint16_t *row = vb + ((int64_t)j * d + c0) * 2;
         __m512i vz[4];
         for (int c = 0; c < nc; c++) {
@@ -96,8 +108,8 @@ static inline __attribute__((always_inline)) void pv_block(__m512 acc[QG][4], co
 /* one row, KV head h, query heads [g0, g0 + gn) of that KV head */
 static inline __attribute__((always_inline)) void head_group(
         const uint16_t *q, uint16_t *out, const uint16_t *k, const uint16_t *v, int64_t page_stride,
-        const int64_t *table, int64_t len, int G, int KVH, int d, int bs, float scale, int h, int g0,
-        float *s, uint32_t *p32, int64_t covered, next_row *pf, const int gn) {
+        const int64_t *table, int64_t len, int G, int d, int bs, float scale, int h, int g0,
+        float *s, uint32_t *p32, line_cursor *cur, const int gn) {
     const int64_t nblocks = (len + bs - 1) / bs, ss = (len + 15) / 16 * 16, ps32 = ss / 2;
     const int64_t piece = (int64_t)bs * d;                 /* elements of one head's K (or V) in a block */
     const int32_t *q32 = (const int32_t *)(q + (int64_t)(h * G + g0) * d);
@@ -106,14 +118,10 @@ static inline __attribute__((always_inline)) void head_group(
     for (int g = 0; g < gn; g++) mxv[g] = _mm512_set1_ps(-FLT_MAX);
     for (int64_t b = 0; b < nblocks; b++) {
         const uint16_t *kb = k + table[b] * page_stride + h * piece;
-        if (h == 0 && g0 == 0 && b + PF_AHEAD < nblocks && b + PF_AHEAD >= covered) {  /* the first pass brings every head's K and V */
-            prefetch_l2(k + table[b + PF_AHEAD] * page_stride, piece * 2 * KVH);
-            prefetch_l2(v + table[b + PF_AHEAD] * page_stride, piece * 2 * KVH);
-        }
         const int64_t n = b == nblocks - 1 ? len - b * bs : bs;
         for (int64_t t0 = 0; t0 < n; t0 += 16)
             score_tile(q32, d / 2, kb + t0 * 2, bs, d, (int)(n - t0 < 16 ? n - t0 : 16), scale, s + b * bs + t0,
-                       ss, mxv, gn);
+                       ss, mxv, gn, cur);
     }
     for (int g = 0; g < gn; g++) {
         float *sg = s + g * ss, total = 0.f;
@@ -138,9 +146,8 @@ static inline __attribute__((always_inline)) void head_group(
             const uint16_t *vb = v + table[b] * page_stride + h * piece;
             const int64_t n = b == nblocks - 1 ? len - b * bs : bs;
             const uint32_t *pb = p32 + b * bs / 2;
-            if (c0 == 0) prefetch_next_block(pf);
-            if (nc == 4) pv_block(acc, pb, ps32, vb, d, c0, 4, (int)((n + 1) / 2), (int)(n % 2), gn);
-            else pv_block(acc, pb, ps32, vb, d, c0, 2, (int)((n + 1) / 2), (int)(n % 2), gn);
+            if (nc == 4) pv_block(acc, pb, ps32, vb, d, c0, 4, (int)((n + 1) / 2), (int)(n % 2), gn, cur);
+            else pv_block(acc, pb, ps32, vb, d, c0, 2, (int)((n + 1) / 2), (int)(n % 2), gn, cur);
         }
         for (int g = 0; g < gn; g++) {
             const __m512 inv = _mm512_set1_ps(1.f / sum[g]);
@@ -159,25 +166,16 @@ int paired_attention_bf16(const uint16_t *q, uint16_t *out, const uint16_t *k, c
     int failed = 0;
 #pragma omp parallel
     {
-        const int nth = omp_get_num_threads();
-        next_row pf = {k, v, NULL, 0, 0, page_stride, (int64_t)bs * d * KVH * 2};
-        int64_t cov[2] = {0, 0};   /* blocks already prefetched of this thread's next row and the one after */
-        for (int r = omp_get_thread_num(); r < D; r += nth) {   /* interleaved: this thread's next rows are known */
-            const int64_t len = lens[r], ss = (len + 15) / 16 * 16, nblocks = (len + bs - 1) / bs;
+        const int nth = omp_get_num_threads(), first = omp_get_thread_num();
+        if (first < D) {   /* the first row's first lines: no row before it prefetched them */
+            line_cursor c = cursor_of(k, v, page_stride, tables + (int64_t)first * max_blocks, lens[first], bs, d, KVH);
+            cursor_step(&c, 256);
+        }
+        for (int r = first; r < D; r += nth) {   /* interleaved: this thread's next row is r + nth */
+            const int64_t len = lens[r], ss = (len + 15) / 16 * 16;
             const int64_t *table = tables + (int64_t)r * max_blocks;
-            const int64_t covered = cov[0];
-            if (covered == 0)
-                for (int64_t b = 0; b < (nblocks < PF_AHEAD ? nblocks : PF_AHEAD); b++) {
-                    prefetch_l2(k + table[b] * page_stride, pf.bytes);
-                    prefetch_l2(v + table[b] * page_stride, pf.bytes);
-                }
-            /* memory is slow enough here that the row after next is what to fetch now */
-            pf.table = NULL;
-            if (r + 2 * nth < D) {
-                pf.table = tables + (int64_t)(r + 2 * nth) * max_blocks;
-                pf.next = 0;
-                pf.nblocks = (lens[r + 2 * nth] + bs - 1) / bs;
-            }
+            line_cursor cur = cursor_of(k, v, page_stride, r + nth < D ? tables + (int64_t)(r + nth) * max_blocks : NULL,
+                                        r + nth < D ? lens[r + nth] : 0, bs, d, KVH);
             float *s = (float *)malloc(sizeof(float) * QG * ss + sizeof(uint32_t) * QG * (ss / 2) + 64);
             if (!s) { failed = 1; continue; }
             uint32_t *p32 = (uint32_t *)(s + QG * ss);
@@ -186,15 +184,13 @@ int paired_attention_bf16(const uint16_t *q, uint16_t *out, const uint16_t *k, c
             for (int h = 0; h < KVH; h++)
                 for (int g0 = 0; g0 < G; g0 += QG) {
                     switch (G - g0 < QG ? G - g0 : QG) {   /* a specialised copy per group size */
-                    case 1: head_group(qr, outr, k, v, page_stride, table, len, G, KVH, d, bs, scale, h, g0, s, p32, covered, &pf, 1); break;
-                    case 2: head_group(qr, outr, k, v, page_stride, table, len, G, KVH, d, bs, scale, h, g0, s, p32, covered, &pf, 2); break;
-                    case 3: head_group(qr, outr, k, v, page_stride, table, len, G, KVH, d, bs, scale, h, g0, s, p32, covered, &pf, 3); break;
-                    default: head_group(qr, outr, k, v, page_stride, table, len, G, KVH, d, bs, scale, h, g0, s, p32, covered, &pf, 4); break;
+                    case 1: head_group(qr, outr, k, v, page_stride, table, len, G, d, bs, scale, h, g0, s, p32, &cur, 1); break;
+                    case 2: head_group(qr, outr, k, v, page_stride, table, len, G, d, bs, scale, h, g0, s, p32, &cur, 2); break;
+                    case 3: head_group(qr, outr, k, v, page_stride, table, len, G, d, bs, scale, h, g0, s, p32, &cur, 3); break;
+                    default: head_group(qr, outr, k, v, page_stride, table, len, G, d, bs, scale, h, g0, s, p32, &cur, 4); break;
                     }
                 }
             free(s);
-            cov[0] = cov[1];
-            cov[1] = pf.table ? pf.next : 0;
         }
     }
     return failed ? -2 : 0;
