@@ -121,7 +121,7 @@ class ModelRunner:
         reqs = [out.requests[r] for r in inp.sample_rows]
         if self.capture_logits is not None:
             for req, row in zip(reqs, logits):
-                self.capture_logits[req.request_id] = row.clone()
+                self.capture_logits[req.request_id] = row.to(torch.float32, copy=True)
         params = [r.params for r in reqs]
         history = [_history(r) for r in reqs] if any(p.processes_logits for p in params) else None
         tokens = self.sampler.sample(logits, [r.request_id for r in reqs], params, history)

@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 
 from engine.sampling_params import SamplingParams
+from kernels.cpu import elementwise
 from ipc.outputs import TokenLogprobs
 
 
@@ -49,7 +50,7 @@ class Sampler:
         """logits: [B, vocab] (any float dtype) -> B token ids. history: each row's History, needed when
         some params process logits (SamplingParams.processes_logits)."""
         logits = process_logits(logits, params, history)
-        out = logits.argmax(dim=-1).tolist()
+        out = argmax(logits).tolist()
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
             return out
@@ -63,6 +64,13 @@ class Sampler:
         for i, token in zip(rows, _invert_cdf(probs, u)):
             out[i] = token
         return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1); bf16 rows through the C kernel, which reads them once (no fp32 copy)."""
+    if logits.dtype == torch.bfloat16 and logits.stride(-1) == 1 and elementwise.supports(torch.bfloat16):
+        return elementwise.argmax(logits)
+    return logits.argmax(dim=-1)
 
 
 def process_logits(logits: torch.Tensor, params: list[SamplingParams],

@@ -96,7 +96,8 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
                 lora: LoraHook | None = None, hidden_indices: torch.Tensor | None = None):
-        """input_ids, positions: [T]; logits_indices: [S] rows to project -> logits [S, vocab] fp32.
+        """input_ids, positions: [T]; logits_indices: [S] rows to project -> logits [S, vocab] in the model
+        dtype (the sampler converts what it needs to fp32: a bf16 greedy step never does).
         With hidden_indices [P]: -> (logits, those rows' final normed hidden states [P, H]) for the caller
         to project in pieces (prompt logprobs, see logits_of)."""
         cfg, ops = self.cfg, self.ops
@@ -125,7 +126,7 @@ class LlamaModel:
         if hidden_indices is not None:
             hidden = ops.rms_norm(x[hidden_indices], self.w.norm, cfg.rms_norm_eps)
         x = ops.rms_norm(x[logits_indices], self.w.norm, cfg.rms_norm_eps)
-        logits = self.w.lm_head(x).float()
+        logits = self.w.lm_head(x)
         return logits if hidden_indices is None else (logits, hidden)
 
     @torch.inference_mode()

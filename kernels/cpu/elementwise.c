@@ -156,3 +156,35 @@ static inline int silu_vector_bf16(const uint16_t *g, const uint16_t *u, uint16_
 
 DEFINE_OPS(bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 DEFINE_OPS(f32, float, f32_id, f32_id, f32_id)
+
+/* argmax_bf16: out[t] = torch.argmax(x[t]) for bf16 rows [T, n] at a stride: the first index of the largest
+ * value, or of the first NaN when the row has one (torch treats NaN as the largest). -0 equals +0, and
+ * denormals equal zero, as torch compares them here (these kernels are built with -ffast-math, whose
+ * start-up code sets the CPU's denormals-are-zero mode for the process).
+ * Greedy sampling reads a decode step's logits once here instead of converting them to fp32 first.
+ * Compared as integers (bf16 bits mapped to an order-preserving key), which -ffast-math leaves exact. */
+static inline int32_t bf16_key(uint16_t b) {
+    const int32_t s = (int16_t)((b & 0x7f80) == 0 ? 0 : b);   /* zeros and denormals -> +0 */
+    return s >= 0 ? s : s ^ 0x7fff;
+}
+
+void argmax_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t n, int64_t *out) {
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t t = 0; t < rows; t++) {
+        const uint16_t *xt = x + t * x_stride;
+        int32_t m = INT32_MIN;
+        int nan = 0;
+        _Pragma("omp simd reduction(max:m) reduction(|:nan)")
+        for (int64_t i = 0; i < n; i++) {       /* pass 1 (vectorised): the largest key; any NaN */
+            const int32_t k = bf16_key(xt[i]);
+            m = k > m ? k : m;
+            nan |= (xt[i] & 0x7fff) > 0x7f80;
+        }
+        int64_t i = 0;                           /* pass 2 (the row is in L2 now): its first index */
+        if (nan)
+            while ((xt[i] & 0x7fff) <= 0x7f80) i++;
+        else
+            while (bf16_key(xt[i]) != m) i++;
+        out[t] = i;
+    }
+}

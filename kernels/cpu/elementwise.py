@@ -1,5 +1,5 @@
 """ctypes binding of the fused elementwise ops (elementwise.c): rms_norm, add_rms_norm, silu_mul, rope_,
-write_kv.
+write_kv, and argmax over bf16 rows.
 
 Each equals the torch expression named in its docstring, rounding included. Requires supports(dtype).
 """
@@ -31,6 +31,7 @@ def _fns():
             for dt, fn in fns.items():
                 _FNS[(op, dt)] = fn
         if _FNS is not None:
+            _FNS["argmax"] = load_functions("elementwise", {0: "argmax_bf16"}, [_P, _I64, _I64, _I64, _P])[0]
             _FNS["write_kv"] = load_functions("elementwise", {0: "write_kv"}, [_P, _I64, _P, _I64, _P, _P, _I64, _P, _P,
                                                                              _I64, _I64])[0]
     return _FNS
@@ -100,3 +101,12 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     es = k.element_size()
     _fns()["write_kv"](k.data_ptr(), k.stride(0) * es, v.data_ptr(), v.stride(0) * es, k_cache.data_ptr(),
                        v_cache.data_ptr(), k_cache.stride(0) * es, pages.data_ptr(), offsets.data_ptr(), t, kvh * d * es)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, n] bf16 (rows contiguous) -> x.argmax(-1), int64 [T] (the first largest; the first NaN if any)."""
+    _rows(x)
+    assert x.dtype == torch.bfloat16 and x.shape[1] > 0
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _fns()["argmax"](x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
+    return out

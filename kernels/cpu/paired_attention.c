@@ -40,47 +40,75 @@
  * whole block at a time were mostly dropped; measured here, 64 rows x 192 tokens x 30 layers: 16-17 ->
  * 20 GB/s (a plain read of the same blocks in the same order: 29 GB/s). */
 typedef struct {
+    const char *p;              /* the next line to prefetch; NULL when done */
+    int64_t left;               /* lines left in this block's K (half 0) or V (half 1) */
+    int half;
+    const int64_t *t, *end;     /* the next row's block table: the current entry, the end */
     const char *k, *v;
-    const int64_t *table;       /* the next row's; NULL when none */
-    int64_t nblocks, page_bytes, lines, b, line;   /* lines: of one block's K (as many of its V) */
+    int64_t page_bytes, lines;  /* lines: of one block's K (as many in its V) */
 } line_cursor;
 
+static inline void cursor_next_half(line_cursor *c) {
+    if (c->half == 0) {
+        c->half = 1;
+        c->p = c->v + *c->t * c->page_bytes;
+    } else if (++c->t < c->end) {
+        c->half = 0;
+        c->p = c->k + *c->t * c->page_bytes;
+    } else {
+        c->p = NULL;
+        return;
+    }
+    c->left = c->lines;
+}
+
 static inline __attribute__((always_inline)) void cursor_step(line_cursor *c, int n) {
-    for (int u = 0; u < n; u++) {
-        if (c->b >= c->nblocks) return;
-        const int64_t off = c->table[c->b] * c->page_bytes + 64 * (c->line >> 1);
-        _mm_prefetch((c->line & 1 ? c->v : c->k) + off, _MM_HINT_T1);
-        if (++c->line == 2 * c->lines) { c->line = 0; c->b++; }
+    while (n > 0 && c->p) {
+        const int m = c->left < n ? (int)c->left : n;
+        for (int u = 0; u < m; u++) _mm_prefetch(c->p + 64 * u, _MM_HINT_T1);
+        c->p += 64 * m;
+        n -= m;
+        if ((c->left -= m) == 0) cursor_next_half(c);
     }
 }
 
 static inline line_cursor cursor_of(const uint16_t *k, const uint16_t *v, int64_t page_stride, const int64_t *table,
                                     int64_t len, int bs, int d, int KVH) {
-    line_cursor c = {(const char *)k, (const char *)v, table, table ? (len + bs - 1) / bs : 0, page_stride * 2,
-                     (int64_t)bs * d * KVH * 2 / 64, 0, 0};
+    const int64_t lines = (int64_t)bs * d * KVH * 2 / 64;
+    line_cursor c = {NULL, lines, 0, table, table ? table + (len + bs - 1) / bs : NULL, (const char *)k,
+                     (const char *)v, page_stride * 2, lines};
+    if (table) c.p = c.k + *table * c.page_bytes;
     return c;
 }
 
-/* scores of gn <= QG query heads (bf16 pairs q32[g * qs32 + p]) against the 16 tokens of one K tile
- * (line p at kt + p * bs * 2): s[g * ss + j] = scale * q_g . k_j for j < n; mx[g] = max(mx[g], those)
- * lane by lane. Even and odd pairs go to separate accumulators: twice the independent chains. */
-static inline __attribute__((always_inline)) void score_tile(const int32_t *q32, int qs32, const uint16_t *kt, int bs,
-                                                             int d, int n, float scale, float *s, int64_t ss,
-                                                             __m512 *mx, const int gn, line_cursor *cur) {
-    cursor_step(cur, PF_SCORE);
-    __m512 acc[2][QG];
-    for (int g = 0; g < gn; g++) acc[0][g] = acc[1][g] = _mm512_setzero_ps();
+/* scores of gn <= QG query heads (bf16 pairs q32[g * qs32 + p]) against the 16 tokens of each of nt <= 2 K
+ * tiles (tile i: line p at kt[i] + p * bs * 2; n[i] tokens): s[i][g * ss + j] = scale * q_g . k_j for
+ * j < n[i]; mx[g] = max(mx[g], those) lane by lane. Two tiles share each query broadcast, and even and odd
+ * pairs go to separate accumulators: 4 * gn independent chains. */
+static inline __attribute__((always_inline)) void score_tiles(const int32_t *q32, int qs32, const uint16_t *const *kt,
+                                                              int bs, int d, const int *n, float scale, float *const *s,
+                                                              int64_t ss, __m512 *mx, const int gn, const int nt,
+                                                              line_cursor *cur) {
+    cursor_step(cur, PF_SCORE * nt);
+    __m512 acc[2][2][QG];
+    for (int i = 0; i < nt; i++)
+        for (int g = 0; g < gn; g++) acc[i][0][g] = acc[i][1][g] = _mm512_setzero_ps();
     for (int p = 0; p < d / 2; p += 2)
         for (int e = 0; e < 2; e++) {
-            const __m512bh kz = (__m512bh)_mm512_loadu_si512(kt + (int64_t)(p + e) * bs * 2);
-            for (int g = 0; g < gn; g++)
-                acc[e][g] = _mm512_dpbf16_ps(acc[e][g], kz, (__m512bh)_mm512_set1_epi32(q32[g * qs32 + p + e]));
+            __m512bh kz[2];
+            for (int i = 0; i < nt; i++) kz[i] = (__m512bh)_mm512_loadu_si512(kt[i] + (int64_t)(p + e) * bs * 2);
+            for (int g = 0; g < gn; g++) {
+                const __m512bh qg = (__m512bh)_mm512_set1_epi32(q32[g * qs32 + p + e]);
+                for (int i = 0; i < nt; i++) acc[i][e][g] = _mm512_dpbf16_ps(acc[i][e][g], kz[i], qg);
+            }
         }
-    const __mmask16 m = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
-    for (int g = 0; g < gn; g++) {
-        const __m512 sc = _mm512_mul_ps(_mm512_add_ps(acc[0][g], acc[1][g]), _mm512_set1_ps(scale));
-        _mm512_mask_storeu_ps(s + g * ss, m, sc);
-        mx[g] = _mm512_mask_max_ps(mx[g], m, mx[g], sc);
+    for (int i = 0; i < nt; i++) {
+        const __mmask16 m = n[i] >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n[i]) - 1);
+        for (int g = 0; g < gn; g++) {
+            const __m512 sc = _mm512_mul_ps(_mm512_add_ps(acc[i][0][g], acc[i][1][g]), _mm512_set1_ps(scale));
+            _mm512_mask_storeu_ps(s[i] + g * ss, m, sc);
+            mx[g] = _mm512_mask_max_ps(mx[g], m, mx[g], sc);
+        }
     }
 }
 
@@ -116,12 +144,20 @@ static inline __attribute__((always_inline)) void head_group(
     float sum[QG];
     __m512 mxv[QG];
     for (int g = 0; g < gn; g++) mxv[g] = _mm512_set1_ps(-FLT_MAX);
-    for (int64_t b = 0; b < nblocks; b++) {
-        const uint16_t *kb = k + table[b] * page_stride + h * piece;
-        const int64_t n = b == nblocks - 1 ? len - b * bs : bs;
-        for (int64_t t0 = 0; t0 < n; t0 += 16)
-            score_tile(q32, d / 2, kb + t0 * 2, bs, d, (int)(n - t0 < 16 ? n - t0 : 16), scale, s + b * bs + t0,
-                       ss, mxv, gn, cur);
+    const int64_t ntiles = (len + 15) / 16;          /* 16-token tiles, two at a time */
+    for (int64_t i = 0; i < ntiles; i += 2) {
+        const uint16_t *kt[2];
+        float *st[2];
+        int n[2];
+        const int nt = i + 1 < ntiles ? 2 : 1;
+        for (int u = 0; u < nt; u++) {
+            const int64_t t = (i + u) * 16;
+            kt[u] = k + table[t / bs] * page_stride + h * piece + (t % bs) * 2;
+            n[u] = (int)(len - t < 16 ? len - t : 16);
+            st[u] = s + t;
+        }
+        if (nt == 2) score_tiles(q32, d / 2, kt, bs, d, n, scale, st, ss, mxv, gn, 2, cur);
+        else score_tiles(q32, d / 2, kt, bs, d, n, scale, st, ss, mxv, gn, 1, cur);
     }
     for (int g = 0; g < gn; g++) {
         float *sg = s + g * ss, total = 0.f;

@@ -99,3 +99,22 @@ def test_write_kv_matches_index_put(dtype, n):
     meta = AttentionMetadata(slot_page, slot_off, 0, None, None, None, [])
     write_kv(ref[:, 1, 0], ref[:, 1, 1], k, v, meta)
     assert torch.equal(view, ref) and view.abs().sum() > 0
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 49152])
+def test_argmax_matches_torch_on_bf16_rows(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(16, vocab, generator=g).to(torch.bfloat16)
+    if vocab > 10:
+        x[1, 9] = x[1, 3] = 1e30                       # a tie: the first index
+        x[2, 7], x[2, 5] = float("nan"), float("nan")  # NaN counts as the largest, the first one wins
+        x[3] = float("-inf")
+        x[4] = -0.0
+        x[4, 6] = 0.0                                  # -0 == +0: index 0
+        x[5] = -3.0
+        x[5, vocab - 1] = -2.5                         # all negative
+        x[6, vocab - 1] = float("inf")
+        x[7] = (torch.randn(vocab, generator=g) * 1e-40).to(torch.bfloat16)   # denormals
+    wide = torch.cat([x, x], dim=1)[:, :vocab]         # rows at a stride
+    for t in (x, wide):
+        assert torch.equal(ew.argmax(t), t.argmax(-1))
