@@ -72,6 +72,23 @@ static inline __attribute__((always_inline)) void cursor_step(line_cursor *c, in
     }
 }
 
+/* Skips the next row's leading blocks that this row reads too (the next prefill token of the same
+ * sequence, or a shared prefix): they are in cache already. */
+static inline void cursor_skip_shared(line_cursor *c, const int64_t *table, int64_t nblocks) {
+    if (!c->p) return;
+    int64_t i = 0;
+    while (c->t + i < c->end && i < nblocks && c->t[i] == table[i]) i++;
+    if (i == 0) return;
+    c->t += i;
+    if (c->t < c->end) {
+        c->half = 0;
+        c->left = c->lines;
+        c->p = c->k + *c->t * c->page_bytes;
+    } else {
+        c->p = NULL;
+    }
+}
+
 static inline line_cursor cursor_of(const uint16_t *k, const uint16_t *v, int64_t page_stride, const int64_t *table,
                                     int64_t len, int bs, int d, int KVH) {
     const int64_t lines = (int64_t)bs * d * KVH * 2 / 64;
@@ -207,13 +224,17 @@ int paired_attention_bf16(const uint16_t *q, uint16_t *out, const uint16_t *k, c
             line_cursor c = cursor_of(k, v, page_stride, tables + (int64_t)first * max_blocks, lens[first], bs, d, KVH);
             cursor_step(&c, 256);
         }
-        for (int r = first; r < D; r += nth) {   /* interleaved: this thread's next row is r + nth */
+        int64_t max_len = 1;
+        for (int r = first; r < D; r += nth) max_len = lens[r] > max_len ? lens[r] : max_len;
+        const int64_t max_ss = (max_len + 15) / 16 * 16;
+        float *s = (float *)malloc(sizeof(float) * QG * max_ss + sizeof(uint32_t) * QG * (max_ss / 2) + 64);
+        if (!s) failed = 1;
+        for (int r = first; r < D && s; r += nth) {   /* interleaved: this thread's next row is r + nth */
             const int64_t len = lens[r], ss = (len + 15) / 16 * 16;
             const int64_t *table = tables + (int64_t)r * max_blocks;
             line_cursor cur = cursor_of(k, v, page_stride, r + nth < D ? tables + (int64_t)(r + nth) * max_blocks : NULL,
                                         r + nth < D ? lens[r + nth] : 0, bs, d, KVH);
-            float *s = (float *)malloc(sizeof(float) * QG * ss + sizeof(uint32_t) * QG * (ss / 2) + 64);
-            if (!s) { failed = 1; continue; }
+            cursor_skip_shared(&cur, table, (len + bs - 1) / bs);
             uint32_t *p32 = (uint32_t *)(s + QG * ss);
             const uint16_t *qr = q + (int64_t)r * H * d;
             uint16_t *outr = out + (int64_t)r * H * d;
@@ -226,8 +247,8 @@ int paired_attention_bf16(const uint16_t *q, uint16_t *out, const uint16_t *k, c
                     default: head_group(qr, outr, k, v, page_stride, table, len, G, d, bs, scale, h, g0, s, p32, &cur, 4); break;
                     }
                 }
-            free(s);
         }
+        free(s);
     }
     return failed ? -2 : 0;
 }
