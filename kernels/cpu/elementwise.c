@@ -34,11 +34,12 @@ void rms_norm_##SUFFIX(const T *x, int64_t x_stride, const T *w, T *out, int64_t
     for (int64_t t = 0; t < rows; t++) {                                                                      \
         const T *xt = x + t * x_stride;                                                                       \
         float ss = 0.f;                                                                                       \
-        _Pragma("omp simd reduction(+:ss)")                                                                   \
-        for (int i = 0; i < H; i++) { const float v = LOAD(xt[i]); ss += v * v; }                            \
+        int i = VECTOR(sumsq, SUFFIX)(xt, H, &ss);                                                            \
+        for (; i < H; i++) { const float v = LOAD(xt[i]); ss += v * v; }                                      \
         const float inv = 1.f / sqrtf(ss / H + eps);                                                          \
         T *ot = out + t * out_stride;                                                                         \
-        for (int i = 0; i < H; i++) ot[i] = STORE(LOAD(w[i]) * ROUND(LOAD(xt[i]) * inv));                     \
+        for (i = VECTOR(norm, SUFFIX)(xt, w, ot, inv, H); i < H; i++)                                         \
+            ot[i] = STORE(LOAD(w[i]) * ROUND(LOAD(xt[i]) * inv));                                             \
     }                                                                                                         \
 }                                                                                                             \
                                                                                                               \
@@ -49,14 +50,16 @@ void add_rms_norm_##SUFFIX(T *x, int64_t x_stride, const T *d, int64_t d_stride,
         T *xt = x + t * x_stride;                                                                             \
         const T *dt = d + t * d_stride;                                                                       \
         float ss = 0.f;                                                                                       \
-        for (int i = 0; i < H; i++) {                                                                         \
+        int i = VECTOR(add_sumsq, SUFFIX)(xt, dt, H, &ss);                                                    \
+        for (; i < H; i++) {                                                                                  \
             xt[i] = STORE(LOAD(xt[i]) + LOAD(dt[i]));                                                         \
             const float v = LOAD(xt[i]);                                                                      \
             ss += v * v;                                                                                      \
         }                                                                                                     \
         const float inv = 1.f / sqrtf(ss / H + eps);                                                          \
         T *ot = out + t * out_stride;                                                                         \
-        for (int i = 0; i < H; i++) ot[i] = STORE(LOAD(w[i]) * ROUND(LOAD(xt[i]) * inv));                     \
+        for (i = VECTOR(norm, SUFFIX)(xt, w, ot, inv, H); i < H; i++)                                         \
+            ot[i] = STORE(LOAD(w[i]) * ROUND(LOAD(xt[i]) * inv));                                             \
     }                                                                                                         \
 }                                                                                                             \
                                                                                                               \
@@ -65,7 +68,7 @@ void silu_mul_##SUFFIX(const T *gu, int64_t gu_stride, T *out, int64_t out_strid
     for (int64_t t = 0; t < rows; t++) {                                                                      \
         const T *g = gu + t * gu_stride, *u = g + I;                                                          \
         T *ot = out + t * out_stride;                                                                         \
-        for (int i = SILU_VECTOR(SUFFIX)(g, u, ot, I); i < I; i++) {                                          \
+        for (int i = VECTOR(silu, SUFFIX)(g, u, ot, I); i < I; i++) {                                          \
             const float a = LOAD(g[i]);                                                                       \
             ot[i] = STORE(ROUND(silu(a)) * LOAD(u[i]));                                                       \
         }                                                                                                     \
@@ -79,7 +82,7 @@ void rope_##SUFFIX(T *x, int64_t row_stride, int64_t rows, int heads, int d, con
         const T *c = cos + t * d, *s = sin + t * d;                                                           \
         for (int h = 0; h < heads; h++) {                                                                     \
             T *xh = x + t * row_stride + (int64_t)h * d;                                                      \
-            for (int i = 0; i < half; i++) {                                                                  \
+            for (int i = VECTOR(rope, SUFFIX)(xh, c, s, half); i < half; i++) {                               \
                 const float x1 = LOAD(xh[i]), x2 = LOAD(xh[i + half]);                                        \
                 const float lo = ROUND(x1 * LOAD(c[i])) + ROUND(-x2 * LOAD(s[i]));                            \
                 const float hi = ROUND(x2 * LOAD(c[i + half])) + ROUND(x1 * LOAD(s[i + half]));               \
@@ -101,8 +104,24 @@ void write_kv(const char *k, int64_t k_stride, const char *v, int64_t v_stride, 
     }
 }
 
-/* silu_mul's vector part: how many leading elements of a row it did (the rest take the scalar loop) */
-#define SILU_VECTOR(SUFFIX) silu_vector_##SUFFIX
+/* The vector parts of the bf16 ops (AVX512-BF16, 16 elements at a time, the same arithmetic and roundings
+ * as the scalar loops): each does a row's leading elements and returns how many; the scalar loop does the
+ * rest. sumsq and add_sumsq add their squares to *ss (in a different order than the scalar loop: the fp32
+ * sum may differ in its last bit). The f32 ops have none (they return 0). */
+#define VECTOR(op, SUFFIX) op##_vector_##SUFFIX
+static inline int sumsq_vector_f32(const float *x, int H, float *ss) { (void)x; (void)H; (void)ss; return 0; }
+static inline int add_sumsq_vector_f32(float *x, const float *d, int H, float *ss) {
+    (void)x; (void)d; (void)H; (void)ss;
+    return 0;
+}
+static inline int norm_vector_f32(const float *x, const float *w, float *o, float inv, int H) {
+    (void)x; (void)w; (void)o; (void)inv; (void)H;
+    return 0;
+}
+static inline int rope_vector_f32(float *x, const float *c, const float *s, int half) {
+    (void)x; (void)c; (void)s; (void)half;
+    return 0;
+}
 static inline int silu_vector_f32(const float *g, const float *u, float *o, int I) {
     (void)g; (void)u; (void)o; (void)I;
     return 0;
@@ -133,6 +152,61 @@ static inline __m512 load_bf16x16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
 
+static inline __m512 round_bf16x16(__m512 x) { return _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(x)); }
+
+static inline void store_bf16x16(uint16_t *p, __m512 x) {
+    _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(x));
+}
+
+static inline int sumsq_vector_bf16(const uint16_t *x, int H, float *ss) {
+    __m512 acc = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= H; i += 16) {
+        const __m512 v = load_bf16x16(x + i);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    *ss += _mm512_reduce_add_ps(acc);
+    return i;
+}
+
+static inline int add_sumsq_vector_bf16(uint16_t *x, const uint16_t *d, int H, float *ss) {
+    __m512 acc = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= H; i += 16) {
+        const __m512 v = round_bf16x16(_mm512_add_ps(load_bf16x16(x + i), load_bf16x16(d + i)));
+        store_bf16x16(x + i, v);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    *ss += _mm512_reduce_add_ps(acc);
+    return i;
+}
+
+static inline int norm_vector_bf16(const uint16_t *x, const uint16_t *w, uint16_t *o, float inv, int H) {
+    int i = 0;
+    for (; i + 16 <= H; i += 16)
+        store_bf16x16(o + i, _mm512_mul_ps(load_bf16x16(w + i), round_bf16x16(_mm512_mul_ps(load_bf16x16(x + i),
+                                                                                            _mm512_set1_ps(inv)))));
+    return i;
+}
+
+static inline __m512 neg(__m512 x) {         /* -x, the sign bit flipped (zeros too) */
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)));
+}
+
+static inline int rope_vector_bf16(uint16_t *x, const uint16_t *c, const uint16_t *s, int half) {
+    int i = 0;
+    for (; i + 16 <= half; i += 16) {
+        const __m512 x1 = load_bf16x16(x + i), x2 = load_bf16x16(x + i + half);
+        const __m512 lo = _mm512_add_ps(round_bf16x16(_mm512_mul_ps(x1, load_bf16x16(c + i))),
+                                        round_bf16x16(_mm512_mul_ps(neg(x2), load_bf16x16(s + i))));
+        const __m512 hi = _mm512_add_ps(round_bf16x16(_mm512_mul_ps(x2, load_bf16x16(c + i + half))),
+                                        round_bf16x16(_mm512_mul_ps(x1, load_bf16x16(s + i + half))));
+        store_bf16x16(x + i, lo);
+        store_bf16x16(x + i + half, hi);
+    }
+    return i;
+}
+
 /* 16 at a time: the same steps as the scalar loop (silu rounded to bf16, then times up) */
 static inline int silu_vector_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int I) {
     int i = 0;
@@ -148,6 +222,19 @@ static inline int silu_vector_bf16(const uint16_t *g, const uint16_t *u, uint16_
     return i;
 }
 #else
+static inline int sumsq_vector_bf16(const uint16_t *x, int H, float *ss) { (void)x; (void)H; (void)ss; return 0; }
+static inline int add_sumsq_vector_bf16(uint16_t *x, const uint16_t *d, int H, float *ss) {
+    (void)x; (void)d; (void)H; (void)ss;
+    return 0;
+}
+static inline int norm_vector_bf16(const uint16_t *x, const uint16_t *w, uint16_t *o, float inv, int H) {
+    (void)x; (void)w; (void)o; (void)inv; (void)H;
+    return 0;
+}
+static inline int rope_vector_bf16(uint16_t *x, const uint16_t *c, const uint16_t *s, int half) {
+    (void)x; (void)c; (void)s; (void)half;
+    return 0;
+}
 static inline int silu_vector_bf16(const uint16_t *g, const uint16_t *u, uint16_t *o, int I) {
     (void)g; (void)u; (void)o; (void)I;
     return 0;
