@@ -20,7 +20,7 @@ int gemm_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y, int
         const uint16_t *pn = p + (int64_t)nb * K * NB;
         for (int m = m0; m < m1; m += MR)
             tile(x + (int64_t)m * xs, xs, pn, y + (int64_t)m * ys + nb * NB, ys, K, m1 - m < MR ? m1 - m : MR, ncols,
-                 0, m, nb * NB, 0, m == m0 && nb + 1 < nblocks ? pn + (int64_t)K * NB : 0);
+                 0, m, nb * NB, 0, nb + 1 < nblocks ? pn + (int64_t)K * NB : 0, (m - m0) / MR, (m1 - m0 + MR - 1) / MR);
     }
     return 0;
 }

@@ -55,9 +55,10 @@ static void run_tile(const job *j, int c0, int c1, int task, const lora_args *l,
             const int ncols = j->N - nb * NB < NB ? j->N - nb * NB : NB;
             const uint16_t *pn = j->p + (int64_t)nb * j->K * NB;
             uint16_t *ym = j->y + (int64_t)m * j->ys + nb * NB;
-            const uint16_t *next = m == m0 && nb + 1 < c1 ? pn + (int64_t)j->K * NB : 0;   /* see tile() */
-            if (l) tile(j->x + (int64_t)m * j->xs, j->xs, pn, ym, j->ys, j->K, mr, ncols, l, m, nb * NB, w, next);
-            else tile(j->x + (int64_t)m * j->xs, j->xs, pn, ym, j->ys, j->K, mr, ncols, 0, m, nb * NB, w, next);
+            const uint16_t *next = nb + 1 < c1 ? pn + (int64_t)j->K * NB : 0;   /* see tile() */
+            const int share = rest % tiles;
+            if (l) tile(j->x + (int64_t)m * j->xs, j->xs, pn, ym, j->ys, j->K, mr, ncols, l, m, nb * NB, w, next, share, tiles);
+            else tile(j->x + (int64_t)m * j->xs, j->xs, pn, ym, j->ys, j->K, mr, ncols, 0, m, nb * NB, w, next, share, tiles);
             return;
         }
         rest -= tiles * ncb;

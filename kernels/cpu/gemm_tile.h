@@ -143,14 +143,15 @@ static inline void prefetch_step(lora_prefetch *pf) {
 
 /* y rows [0, mr) x columns [0, ncols) of one block; with l, rows m.. of the call get their LoRA deltas
  * before the single rounding (their B lines prefetched while the tile computes); with walk, a walker
- * step every PF_EVERY k steps; with next, the packed panel of the column block the thread runs next is
- * prefetched into L1 line by line as this tile reads its own (the caller passes it to the first row tile
- * of a block only: the weights of a decode step stream from memory, and the hardware prefetcher starts
- * each new panel late; measured here, a decode step's 30 layers 3-12% faster, lm_head 9-17%) */
+ * step every PF_EVERY k steps; with next, this tile's share of the packed panel of the column block the
+ * thread runs next: the k steps kp = share, share + shares, ... of it are prefetched as this tile reads
+ * its own (the caller gives each of a block's `shares` row tiles its own share). The weights of a decode
+ * step stream from memory, and the hardware prefetcher starts each new panel late; measured here, a
+ * decode step's 30 layers 12-20% faster, lm_head 17-25%, than with no prefetch. */
 static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y,
                                                        int64_t ys, int K, int mr, int ncols, const lora_args *l,
                                                        int64_t m, int c0, walker *walk,
-                                                       const uint16_t *next) {
+                                                       const uint16_t *next, int share, int shares) {
     __m512 acc[MR][NV];
     for (int r = 0; r < MR; r++)
         for (int j = 0; j < NV; j++) acc[r][j] = _mm512_setzero_ps();
@@ -169,8 +170,10 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
             if (walk) walker_step(walk);
         }
         __m512bh w[NV];
-        if (next)
+        if (next && share-- == 0) {
             for (int j = 0; j < NV; j++) _mm_prefetch((const char *)(next + (int64_t)kp * 2 * NB + 32 * j), _MM_HINT_T0);
+            share = shares - 1;
+        }
         for (int j = 0; j < NV; j++) w[j] = (__m512bh)_mm512_loadu_si512(p + 32 * j);
         p += 2 * NB;
 #pragma GCC unroll 8
