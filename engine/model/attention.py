@@ -64,13 +64,12 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, head_dim] -> out: [T, heads, head_dim]."""
+    if meta.paired:
+        assert not meta.prefills and meta.num_decode == q.shape[0], "the paired layout takes every token as a decode row"
+        return cpu_attention.paired_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, scale)
     out = torch.empty_like(q)
     d = meta.num_decode
-    if meta.paired:
-        assert not meta.prefills, "the paired layout takes every token as a decode row"
-        out[:d] = cpu_attention.paired_attention(q[:d], k_cache, v_cache, meta.decode_block_tables,
-                                                 meta.decode_lens, scale)
-    elif d and meta.decode_mask is None:
+    if d and meta.decode_mask is None:
         out[:d] = cpu_attention.decode_attention(q[:d], k_cache, v_cache, meta.decode_block_tables,
                                                  meta.decode_lens, scale)
     elif d:

@@ -71,7 +71,7 @@ def _paired_fns():
     if _PAIRED is False:
         _PAIRED = None
         if has_avx512_bf16():
-            attn = load_functions("paired_attention", {0: "paired_attention_bf16"}, _ARGS)
+            attn = load_functions("paired_attention", {0: "paired_attention_bf16"}, [_P, _I64, *_ARGS[1:]])
             write = load_functions("paired_attention", {0: "write_kv_paired_bf16"}, _WRITE_ARGS)
             if attn is not None and write is not None:
                 _PAIRED = {"attention": attn[0], "write": write[0]}
@@ -113,16 +113,18 @@ def _check_paired(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, in
 
 def paired_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """As decode_attention, over paired views (see paired_views): q [D, H, d] bf16 -> out [D, H, d]."""
+    """As decode_attention, over paired views (see paired_views): q [D, H, d] bf16 (each row's heads
+    contiguous; rows at any stride, e.g. a view of the fused qkv) -> out [D, H, d]."""
     kvh, d, bs, page_stride = _check_paired(k_cache, v_cache)
     rows, h, qd = q.shape
     assert qd == d and q.dtype == torch.bfloat16 and h % kvh == 0
-    q = q.contiguous()
+    if q.stride()[1:] != (d, 1):
+        q = q.contiguous()
     block_tables = block_tables.to(torch.int64).contiguous()
     lens = lens.to(torch.int64).contiguous()
     assert block_tables.shape[0] == lens.shape[0] == rows
-    out = torch.empty_like(q)
-    rc = _paired_fns()["attention"](q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), page_stride,
+    out = torch.empty(rows, h, d, dtype=q.dtype)
+    rc = _paired_fns()["attention"](q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), page_stride,
                                     block_tables.data_ptr(), block_tables.shape[1], lens.data_ptr(), rows, h, kvh, d,
                                     bs, scale)
     if rc != 0:

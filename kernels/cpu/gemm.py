@@ -78,6 +78,7 @@ class Gemm:
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
         self.packed = pack(weight)
+        self.packed_ptr = self.packed.data_ptr()
         self.fn = _fn()
 
     def __call__(self, x: torch.Tensor, lora: GemmLora | None = None) -> torch.Tensor:
@@ -86,7 +87,7 @@ class Gemm:
             x = x.contiguous()
         m = x.shape[0]
         y = torch.empty(m, self.out_features, dtype=x.dtype)
-        args = (x.data_ptr(), x.stride(0), self.packed.data_ptr(), y.data_ptr(), y.stride(0), m, self.in_features,
+        args = (x.data_ptr(), x.stride(0), self.packed_ptr, y.data_ptr(), y.stride(0), m, self.in_features,
                 self.out_features)
         if lora is None:
             rc = self.fn(*args)

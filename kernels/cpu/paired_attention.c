@@ -9,7 +9,8 @@
  * A block is the K or V of bs tokens of one layer inside a page: k + page * page_stride (v likewise).
  * Requires d % 32 == 0 and bs % 16 == 0.
  *
- * paired_attention_bf16: q, out [D, H, d] bf16; tables [D, max_blocks] int64; lens [D] int64 (>= 1).
+ * paired_attention_bf16: q [D, H, d] bf16 (rows q_stride elements apart, each row's heads contiguous),
+ * out [D, H, d] bf16 contiguous; tables [D, max_blocks] int64; lens [D] int64 (>= 1).
  * Each row is one query token over the first lens[row] tokens of its sequence (decode tokens, and
  * prefill tokens each over its own prefix). Scores and softmax in fp32; P is rounded to bf16 for P @ V
  * (as flash attention does); the output is rounded once. Parallel over rows with OpenMP.
@@ -211,7 +212,7 @@ static inline __attribute__((always_inline)) void head_group(
     }
 }
 
-int paired_attention_bf16(const uint16_t *q, uint16_t *out, const uint16_t *k, const uint16_t *v, int64_t page_stride,
+int paired_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, const uint16_t *k, const uint16_t *v, int64_t page_stride,
                           const int64_t *tables, int64_t max_blocks, const int64_t *lens, int D, int H, int KVH, int d,
                           int bs, float scale) {
     const int G = H / KVH;
@@ -236,7 +237,7 @@ int paired_attention_bf16(const uint16_t *q, uint16_t *out, const uint16_t *k, c
                                         r + nth < D ? lens[r + nth] : 0, bs, d, KVH);
             cursor_skip_shared(&cur, table, (len + bs - 1) / bs);
             uint32_t *p32 = (uint32_t *)(s + QG * ss);
-            const uint16_t *qr = q + (int64_t)r * H * d;
+            const uint16_t *qr = q + (int64_t)r * q_stride;
             uint16_t *outr = out + (int64_t)r * H * d;
             for (int h = 0; h < KVH; h++)
                 for (int g0 = 0; g0 < G; g0 += QG) {
@@ -253,10 +254,10 @@ int paired_attention_bf16(const uint16_t *q, uint16_t *out, const uint16_t *k, c
     return failed ? -2 : 0;
 }
 #else
-int paired_attention_bf16(const uint16_t *q, uint16_t *out, const uint16_t *k, const uint16_t *v, int64_t page_stride,
+int paired_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, const uint16_t *k, const uint16_t *v, int64_t page_stride,
                           const int64_t *tables, int64_t max_blocks, const int64_t *lens, int D, int H, int KVH, int d,
                           int bs, float scale) {
-    (void)q; (void)out; (void)k; (void)v; (void)page_stride; (void)tables; (void)max_blocks; (void)lens; (void)D;
+    (void)q; (void)q_stride; (void)out; (void)k; (void)v; (void)page_stride; (void)tables; (void)max_blocks; (void)lens; (void)D;
     (void)H; (void)KVH; (void)d; (void)bs; (void)scale;
     return -3;   /* built without AVX512-BF16: attention.py never calls it then */
 }

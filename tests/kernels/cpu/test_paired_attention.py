@@ -82,6 +82,16 @@ def test_slots_past_each_length_never_count():
     torch.testing.assert_close(out, again, atol=0, rtol=0)
 
 
+def test_query_rows_at_a_stride():
+    """q as the engine passes it, a view of the fused qkv rows: the same as a contiguous q."""
+    q, kc, vc, tables, lens = paired_case(9, 3, 64, 16, [5, 21, 40])
+    qkv = torch.cat([q.flatten(1), torch.randn(q.shape[0], 2 * 3 * 64).to(q.dtype)], dim=1)
+    view = qkv[:, : 9 * 64].view(-1, 9, 64)
+    assert not view.is_contiguous()
+    torch.testing.assert_close(cpu_attention.paired_attention(view, kc, vc, tables, lens, 0.125),
+                               cpu_attention.paired_attention(q, kc, vc, tables, lens, 0.125), atol=0, rtol=0)
+
+
 def test_engine_path_agrees_with_the_row_layout():
     """write_kv + paged_attention through AttentionMetadata(paired=True) give what the row layout gives."""
     bs, kvh, d, h, pages = 16, 3, 64, 9, 30
