@@ -24,6 +24,9 @@ class Detokenizer:
         self.stopped = False
 
     def _decode(self, ids: list[int]) -> str:
+        backend = getattr(self.tok, "backend_tokenizer", None)
+        if backend is not None:     # a fast tokenizer: what tok.decode returns, without its wrapper's overhead
+            return backend.decode(ids, skip_special_tokens=True)
         return self.tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _append_token(self, token: int) -> None:

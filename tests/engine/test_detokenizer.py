@@ -52,3 +52,12 @@ def test_a_resumed_request_continues_its_text_exactly(tokenizer):
                     break
             whole, _ = stream(tokenizer, text, stop)
             assert got == "".join(whole), (text, cut)
+
+
+def test_text_is_what_the_tokenizer_decodes_special_tokens_skipped(tokenizer):
+    """The fast path (the backend tokenizer) gives tok.decode's text, special tokens dropped."""
+    ids = tokenizer("Hello  world,\n\tspaces  ", add_special_tokens=False)["input_ids"]
+    ids = [tokenizer.eos_token_id, *ids[:3], tokenizer.eos_token_id, *ids[3:]]
+    d = Detokenizer(tokenizer, [], [])
+    text = "".join(d.update([t], i == len(ids) - 1) for i, t in enumerate(ids))
+    assert text == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
