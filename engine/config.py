@@ -99,8 +99,13 @@ def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """The paged pool: fixed-size pages shared by KV blocks (and, later, adapter weights)."""
-    block_size: int = 16
+    """The paged pool: fixed-size pages shared by KV blocks (and, later, adapter weights).
+
+    block_size 32 by default: decode attention reads each sequence's K/V block by block from scattered
+    pages, and 12 KB blocks (16 tokens) read slower than 24 KB ones (measured here, 64 rows x 192 tokens:
+    388 -> 319 us a layer; the engine benchmark 6% faster; 64 would save 5% more but would leave a
+    rank-16 q/v adapter 40% of its pages unused)."""
+    block_size: int = 32
     kv_cache_memory_bytes: int = 1 << 30
     enable_prefix_caching: bool = True
 
