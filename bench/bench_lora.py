@@ -98,9 +98,10 @@ def experiment_b(args, work: Path) -> None:
     ranks = [8, 16]
     dirs = [write_peft_adapter(work / f"b{i}", cfg, ranks[i % 2], ("q_proj", "v_proj"), seed=10_000 + i)
             for i in range(n_adapters)]
-    page_bytes = page_elems(EngineConfig.create(dtype=args.dtype)) * torch.finfo(getattr(torch, args.dtype)).bits // 8
-    kv_pages = args.concurrency * -(-(args.prompt_len + args.out_len) // 16)
-    adapter_pages = round(resident * mean_pages(dirs[:2], EngineConfig.create(dtype=args.dtype)))   # rank 8 and 16
+    engine_cfg = EngineConfig.create(dtype=args.dtype)
+    page_bytes = page_elems(engine_cfg) * torch.finfo(getattr(torch, args.dtype)).bits // 8
+    kv_pages = args.concurrency * -(-(args.prompt_len + args.out_len) // engine_cfg.cache.block_size)
+    adapter_pages = round(resident * mean_pages(dirs[:2], engine_cfg))   # rank 8 and 16
     g = torch.Generator().manual_seed(1)
     zipf = 1.0 / torch.arange(1, n_adapters + 1).float() ** 1.2
     picks = torch.multinomial(zipf / zipf.sum(), n_requests, replacement=True, generator=g).tolist()
