@@ -2,7 +2,7 @@
 
 64 requests, 128-token prompts, 128 new tokens each (EOS ignored). Prints output tokens/s of both and
 the ratio of the best of each over alternated runs. Usage: python bench/bench_engine.py [--dtype bfloat16]
-[--num 64] [--prompt-len 128] [--out-len 128] [--repeats 2]
+[--num 64] [--prompt-len 128] [--out-len 128] [--repeats 3]
 """
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--out-len", type=int, default=128)
     p.add_argument("--max-batched-tokens", type=int, default=2048)
-    p.add_argument("--repeats", type=int, default=2,
+    p.add_argument("--repeats", type=int, default=3,
                    help="runs of each side, alternated; the best of each is compared (this machine's speed "
                         "drifts within minutes)")
     p.add_argument("--skip-hf", action="store_true")
