@@ -11,8 +11,8 @@ from typing import NamedTuple
 import torch
 
 from engine.sampling_params import SamplingParams
-from kernels.cpu import elementwise
 from ipc.outputs import TokenLogprobs
+from kernels.cpu import elementwise
 
 
 class History(NamedTuple):
