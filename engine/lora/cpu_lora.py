@@ -7,7 +7,9 @@ own rank of A and B once, in fp32, so a decode token's delta never depends on wh
 its adapter. In bf16 with the C GEMM, the GEMM computes those tokens' LoRA itself (`fused`,
 kernels/cpu/gemm_lora.c): the adapters' bytes stream in while it computes. In bf16 on CPUs with
 AVX512-BF16, prefill tokens go to its segment kernel (tokens grouped by adapter, 4 at a time per weight
-load, each token still computed on its own). Otherwise prefill tokens are grouped by slot; slots are bucketed by their token count (1, <= 8, more)
+load, each token still computed on its own); in bf16 on other CPUs (AVX2), to the per-token decode kernel
+(torch's bf16 bmm is slow there and its result depends on the bucket's shape). Otherwise (fp32) prefill
+tokens are grouped by slot; slots are bucketed by their token count (1, <= 8, more)
 so that a bucket pads each slot's tokens to at most a few times their number, and each bucket runs as
 batched matmuls over its slots: one shrink per fused group and one expand per module, read in place
 when the bucket's tokens are one run of rows, gathered otherwise. Without a C compiler decode tokens
@@ -35,6 +37,11 @@ def fuse_into_gemm(slots: LoraSlots) -> bool:
     """Whether decode tokens' LoRA runs inside the C base GEMM (bf16 with AVX512-BF16): the adapters'
     bytes are then read while the GEMM computes instead of in memory-bound passes of their own."""
     return use_c_kernel(slots) and c_lora.supports_fused(slots.dtype)
+
+
+def _per_token_prefill(slots: LoraSlots) -> bool:
+    """Whether prefill tokens, too, go to the per-token C kernel: bf16 where no segment kernel runs."""
+    return slots.dtype == torch.bfloat16 and not c_lora.supports_segments(slots.dtype)
 
 
 @dataclass
@@ -74,14 +81,17 @@ class LoraBatch:
         slot_rank = {s: slots.rank_of[a] for a, s in slots.slot_of.items()}
         decode = fused_rows = None
         if use_c_kernel(slots):
-            pairs = [(t, s) for t, s in enumerate(token_slots[:num_decode]) if s >= 0]
+            # NOTE: bf16 prefill tokens with no segment kernel here take the per-token C kernel too:
+            # torch's bf16 bmm has no native kernel on such CPUs (slow) and blocks by batch shape.
+            per_token = num_decode if not _per_token_prefill(slots) else len(token_slots)
+            pairs = [(t, s) for t, s in enumerate(token_slots[:per_token]) if s >= 0]
             if pairs:
                 index = (torch.tensor([t for t, _ in pairs]), torch.tensor([s for _, s in pairs]),
                          torch.tensor([slot_rank[s] for _, s in pairs]))
                 decode = c_lora.LoraDecode(*index, slots.dtype)
                 if fuse_into_gemm(slots):
                     fused_rows = c_lora.LoraRows(*index, len(token_slots))
-            first = num_decode
+            first = per_token
         else:
             first = 0
         per_slot: dict[int, list[int]] = {}

@@ -41,6 +41,12 @@ def has_avx512_bf16() -> bool:
     return "avx512_bf16" in _cpu_flags()
 
 
+def has_avx2_fma() -> bool:
+    """Whether this CPU has AVX2 and FMA (the fp32-compute kernels for bf16 data need both)."""
+    flags = _cpu_flags().split()
+    return "avx2" in flags and "fma" in flags
+
+
 def build(name: str) -> ctypes.CDLL:
     """Build (if needed) and load `<name>.c` from this directory. Raises RuntimeError when it cannot."""
     src = Path(__file__).with_name(f"{name}.c")

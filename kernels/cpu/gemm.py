@@ -1,8 +1,12 @@
-"""ctypes binding of the bf16 GEMM (gemm.c): y = x @ W^T with W packed once; with a GemmLora, the same
-GEMM also computes some rows' multi-LoRA (gemm_lora.c).
+"""ctypes binding of the bf16 GEMMs: y = x @ W^T with W packed once.
 
-Measured here against oneDNN's pre-packed bf16 GEMM: 15-20% faster for the M <= 512 row counts of
-decode steps, ~4% slower at 2048 rows (prefill). Requires bf16 and a CPU with AVX512-BF16.
+Two variants, picked once per process by what the CPU has:
+- AVX512-BF16 (gemm.c): vdpbf16ps over 48-column blocks; with a GemmLora, the same GEMM also computes some
+  rows' multi-LoRA (gemm_lora.c). Measured against oneDNN's pre-packed bf16 GEMM: 15-20% faster for the
+  M <= 512 row counts of decode steps, ~4% slower at 2048 rows (prefill).
+- AVX2 + FMA (gemm_avx2.c; AMD Zen, older Intel): bf16 stored in 16-column blocks, fp32 computed. There,
+  torch's bf16 matmul has no native kernel and runs 6-9x slower than its fp32 one.
+Both compute each output as one fp32 sum over k in order, rounded once, so a row never depends on the batch.
 """
 from __future__ import annotations
 
@@ -11,9 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu.build import has_avx512_bf16, load_functions
+from kernels.cpu.build import has_avx2_fma, has_avx512_bf16, load_functions
 
 NB = 48            # columns per packed block, as compiled into gemm.c
+NB_AVX2 = 16       # as compiled into gemm_avx2.c
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
@@ -25,10 +30,19 @@ _FNS: dict | None | bool = False   # False until first use
 def _fns():
     global _FNS
     if _FNS is False:
-        _FNS = (load_functions("gemm", {"plain": "gemm_bf16"}, _ARGS) if has_avx512_bf16() else None)
-        lora = load_functions("gemm_lora", {"lora": "gemm_lora_bf16"}, _LORA_ARGS) if _FNS is not None else None
-        if _FNS is not None and lora is not None:
-            _FNS.update(lora)
+        if has_avx512_bf16():
+            _FNS = load_functions("gemm", {"plain": "gemm_bf16"}, _ARGS)
+            lora = load_functions("gemm_lora", {"lora": "gemm_lora_bf16"}, _LORA_ARGS) if _FNS is not None else None
+            if _FNS is not None and lora is not None:
+                _FNS.update(lora)
+            if _FNS is not None:
+                _FNS["nb"] = NB
+        elif has_avx2_fma():
+            _FNS = load_functions("gemm_avx2", {"plain": "gemm_bf16_avx2"}, _ARGS)
+            if _FNS is not None:
+                _FNS["nb"] = NB_AVX2
+        else:
+            _FNS = None
     return _FNS
 
 
@@ -63,13 +77,18 @@ def supports_lora() -> bool:
     return fns is not None and "lora" in fns
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] -> [ceil(N / NB), K / 2, NB, 2] (zero columns past N)."""
+def block_columns() -> int:
+    """Columns per packed block of this CPU's GEMM (NB or NB_AVX2). Requires supports()."""
+    return _fns()["nb"]
+
+
+def pack(weight: torch.Tensor, nb: int = NB) -> torch.Tensor:
+    """weight [N, K] -> [ceil(N / nb), K / 2, nb, 2] (zero columns past N)."""
     n, k = weight.shape
-    blocks = -(-n // NB)
-    w = torch.zeros(blocks * NB, k, dtype=weight.dtype)
+    blocks = -(-n // nb)
+    w = torch.zeros(blocks * nb, k, dtype=weight.dtype)
     w[:n] = weight
-    return w.view(blocks, NB, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return w.view(blocks, nb, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
 class Gemm:
@@ -77,7 +96,7 @@ class Gemm:
 
     def __init__(self, weight: torch.Tensor):
         self.out_features, self.in_features = weight.shape
-        self.packed = pack(weight)
+        self.packed = pack(weight, block_columns())
         self.packed_ptr = self.packed.data_ptr()
         self.fn = _fn()
 
@@ -99,6 +118,6 @@ class Gemm:
             rc = _fns()["lora"](*args, lora.slot.data_ptr(), lora.rank.data_ptr(), lora.a.data_ptr(), lora.a.stride(0),
                                 r, g, lora.b_ptrs, lora.b_strides, lora.outs, v.data_ptr(), v.stride(0))
         if rc != 0:
-            name = "gemm_bf16" if lora is None else "gemm_lora_bf16"
+            name = "gemm" if lora is None else "gemm_lora_bf16"
             raise RuntimeError(f"{name} failed with code {rc} (K={self.in_features}, N={self.out_features})")
         return y

@@ -32,7 +32,7 @@ def _segment_fns():
     global _SEG
     if _SEG is False:
         _SEG = (load_functions("lora_decode", {torch.bfloat16: "lora_segments_bf16"}, [*_ARGS[:4], _P, *_ARGS[4:]])
-                if c_gemm.supports(torch.bfloat16, 2) else None)
+                if has_avx512_bf16() else None)
     return _SEG
 
 

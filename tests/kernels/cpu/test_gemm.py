@@ -1,4 +1,5 @@
-"""The packed bf16 GEMM (kernels/cpu/gemm.c): layout and results."""
+"""The packed bf16 GEMM of this CPU (kernels/cpu/gemm.c on AVX512-BF16, gemm_avx2.c on AVX2 + FMA):
+layout, results and batch invariance."""
 from __future__ import annotations
 
 import pytest
@@ -6,19 +7,21 @@ import torch
 
 from kernels.cpu import gemm
 
-pytestmark = pytest.mark.skipif(not gemm.supports(torch.bfloat16, 2), reason="no AVX512-BF16 C GEMM here")
+pytestmark = pytest.mark.skipif(not gemm.supports(torch.bfloat16, 2), reason="no C GEMM for this CPU")
 
 
-def test_pack_layout():
+@pytest.mark.parametrize("nb", [gemm.NB, gemm.NB_AVX2])
+def test_pack_layout(nb):
     w = torch.arange(50 * 6, dtype=torch.float32).view(50, 6).to(torch.bfloat16)
-    p = gemm.pack(w)
-    assert p.shape == (2, 3, gemm.NB, 2)
-    for n, k in [(0, 0), (0, 1), (47, 5), (48, 2), (49, 3)]:
-        assert p[n // gemm.NB, k // 2, n % gemm.NB, k % 2] == w[n, k]
-    assert (p[1, :, 2:] == 0).all()           # columns past N are zero
+    p = gemm.pack(w, nb)
+    blocks = -(-50 // nb)
+    assert p.shape == (blocks, 3, nb, 2)
+    for n, k in [(0, 0), (0, 1), (15, 5), (16, 2), (47, 5), (48, 2), (49, 3)]:
+        assert p[n // nb, k // 2, n % nb, k % 2] == w[n, k]
+    assert (p[-1, :, 50 % nb:] == 0).all()           # columns past N are zero
 
 
-@pytest.mark.parametrize("m,n,k", [(1, 960, 576), (64, 576, 1536), (100, 3072, 576), (5, 13, 8)])
+@pytest.mark.parametrize("m,n,k", [(1, 960, 576), (64, 576, 1536), (100, 3072, 576), (5, 13, 8), (13, 40, 34)])
 def test_matches_fp32_reference(m, n, k):
     g = torch.Generator().manual_seed(m + n)
     w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
@@ -27,3 +30,19 @@ def test_matches_fp32_reference(m, n, k):
     ref = x.float() @ w.float().T
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     assert ((y.float() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-5).all()
+
+
+def test_rows_do_not_depend_on_the_batch():
+    g = torch.Generator().manual_seed(7)
+    lin = gemm.Gemm((torch.randn(200, 96, generator=g) * 0.1).to(torch.bfloat16))
+    x = torch.randn(257, 96, generator=g).to(torch.bfloat16)
+    full = lin(x)
+    for rows in [slice(0, 1), slice(3, 10), slice(100, 257), slice(5, 6)]:
+        assert torch.equal(lin(x[rows]), full[rows])
+
+
+def test_strided_input_rows():
+    g = torch.Generator().manual_seed(3)
+    lin = gemm.Gemm((torch.randn(32, 64, generator=g) * 0.1).to(torch.bfloat16))
+    x = torch.randn(10, 128, generator=g).to(torch.bfloat16)[:, 32:96]   # rows at stride 128
+    assert torch.equal(lin(x), lin(x.contiguous()))
