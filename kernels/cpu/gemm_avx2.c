@@ -7,6 +7,8 @@
  * the top half of an fp32). x is converted to fp32 once per call.
  *
  * Register tile: MR rows x 16 columns (MR x 2 ymm accumulators), over the whole K in order k = 0, 1, ...;
+ * a task with more than MR rows first widens its panel to fp32 once (widen_panel) and runs MR32-row tiles
+ * over it (tile_f32), with the same FMAs in the same order;
  * each output is one fp32 sum rounded once to bf16, so a row's result never depends on the rest of the
  * batch (the engine's batch invariance rests on it).
  * Work: tasks of (row block of <= MC rows, column block), split statically over the OpenMP threads.
