@@ -83,7 +83,7 @@ class LoraBatch:
         if use_c_kernel(slots):
             # NOTE: bf16 prefill tokens with no segment kernel here take the per-token C kernel too:
             # torch's bf16 bmm has no native kernel on such CPUs (slow) and blocks by batch shape.
-            per_token = num_decode if not _per_token_prefill(slots) else len(token_slots)
+            per_token = len(token_slots) if _per_token_prefill(slots) else num_decode
             pairs = [(t, s) for t, s in enumerate(token_slots[:per_token]) if s >= 0]
             if pairs:
                 index = (torch.tensor([t for t, _ in pairs]), torch.tensor([s for _, s in pairs]),

@@ -11,6 +11,7 @@ Both compute each output as one fp32 sum over k in order, rounded once, so a row
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -24,26 +25,30 @@ _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 _ARGS = [_P, _I64, _P, _P, _I64, _I, _I, _I]
 _LORA_ARGS = [*_ARGS, _P, _P, _P, _I64, _I, _I, _P, _P, _P, _P, _I64]
-_FNS: dict | None | bool = False   # False until first use
 
 
-def _fns():
-    global _FNS
-    if _FNS is False:
-        if has_avx512_bf16():
-            _FNS = load_functions("gemm", {"plain": "gemm_bf16"}, _ARGS)
-            lora = load_functions("gemm_lora", {"lora": "gemm_lora_bf16"}, _LORA_ARGS) if _FNS is not None else None
-            if _FNS is not None and lora is not None:
-                _FNS.update(lora)
-            if _FNS is not None:
-                _FNS["nb"] = NB
-        elif has_avx2_fma():
-            _FNS = load_functions("gemm_avx2", {"plain": "gemm_bf16_avx2"}, _ARGS)
-            if _FNS is not None:
-                _FNS["nb"] = NB_AVX2
-        else:
-            _FNS = None
-    return _FNS
+@functools.cache
+def variant(name: str) -> dict | None:
+    """{"plain": fn, "nb": block columns[, "lora": fn]} of GEMM variant `name` ("avx512bf16" or "avx2"),
+    or None where this CPU lacks it or it cannot be built."""
+    if name == "avx512bf16" and has_avx512_bf16():
+        fns = load_functions("gemm", {"plain": "gemm_bf16"}, _ARGS)
+        lora = load_functions("gemm_lora", {"lora": "gemm_lora_bf16"}, _LORA_ARGS) if fns is not None else None
+        return None if fns is None else {**fns, **(lora or {}), "nb": NB}
+    if name == "avx2" and has_avx2_fma():
+        fns = load_functions("gemm_avx2", {"plain": "gemm_bf16_avx2"}, _ARGS)
+        return None if fns is None else {**fns, "nb": NB_AVX2}
+    return None
+
+
+def variants() -> list[str]:
+    """The GEMM variants that run here, fastest first (an AVX512-BF16 CPU runs the AVX2 one too)."""
+    return [v for v in ("avx512bf16", "avx2") if variant(v) is not None]
+
+
+def _fns() -> dict | None:
+    """The variant the engine uses: the fastest one here (the others are not built)."""
+    return next((fns for fns in map(variant, ("avx512bf16", "avx2")) if fns is not None), None)
 
 
 def _fn():
@@ -77,11 +82,6 @@ def supports_lora() -> bool:
     return fns is not None and "lora" in fns
 
 
-def block_columns() -> int:
-    """Columns per packed block of this CPU's GEMM (NB or NB_AVX2). Requires supports()."""
-    return _fns()["nb"]
-
-
 def pack(weight: torch.Tensor, nb: int = NB) -> torch.Tensor:
     """weight [N, K] -> [ceil(N / nb), K / 2, nb, 2] (zero columns past N)."""
     n, k = weight.shape
@@ -92,13 +92,15 @@ def pack(weight: torch.Tensor, nb: int = NB) -> torch.Tensor:
 
 
 class Gemm:
-    """y = x @ weight^T for x: [M, K] (rows contiguous) -> [M, N] bf16. Requires supports()."""
+    """y = x @ weight^T for x: [M, K] (rows contiguous) -> [M, N] bf16. Requires supports(), or a `kind`
+    from variants() (tests run each variant here; the engine takes the fastest)."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, kind: str | None = None):
         self.out_features, self.in_features = weight.shape
-        self.packed = pack(weight, block_columns())
+        self.fns = _fns() if kind is None else variant(kind)
+        self.packed = pack(weight, self.fns["nb"])
         self.packed_ptr = self.packed.data_ptr()
-        self.fn = _fn()
+        self.fn = self.fns["plain"]
 
     def __call__(self, x: torch.Tensor, lora: GemmLora | None = None) -> torch.Tensor:
         assert x.dim() == 2 and x.shape[1] == self.in_features and x.dtype == torch.bfloat16
@@ -115,7 +117,7 @@ class Gemm:
             assert lora.slot.shape == lora.rank.shape == (m,) and k == self.in_features
             assert lora.a.stride()[1:] == (g * k, k, 1) and lora.a.dtype == torch.bfloat16
             v = torch.empty(m, (r + 1) // 2 * g, dtype=torch.int32)   # the shrink's results as bf16 pairs (scratch)
-            rc = _fns()["lora"](*args, lora.slot.data_ptr(), lora.rank.data_ptr(), lora.a.data_ptr(), lora.a.stride(0),
+            rc = self.fns["lora"](*args, lora.slot.data_ptr(), lora.rank.data_ptr(), lora.a.data_ptr(), lora.a.stride(0),
                                 r, g, lora.b_ptrs, lora.b_strides, lora.outs, v.data_ptr(), v.stride(0))
         if rc != 0:
             name = "gemm" if lora is None else "gemm_lora_bf16"
