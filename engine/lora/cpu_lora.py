@@ -4,12 +4,11 @@ adapters in Python.
 Tokens are grouped once per step (`LoraBatch.build`). Decode tokens (the first `num_decode`, one per
 request) go to the C kernel (kernels/cpu/lora_decode.c): one task per token that streams its adapter's
 own rank of A and B once, in fp32, so a decode token's delta never depends on who shares the step or
-its adapter. In bf16 with the C GEMM, the GEMM computes those tokens' LoRA itself (`fused`,
-kernels/cpu/gemm_lora.c): the adapters' bytes stream in while it computes. In bf16 on CPUs with
-AVX512-BF16, prefill tokens go to its segment kernel (tokens grouped by adapter, 4 at a time per weight
-load, each token still computed on its own); in bf16 on other CPUs (AVX2), to the per-token decode kernel
-(torch's bf16 bmm is slow there and its result depends on the bucket's shape). Otherwise (fp32) prefill
-tokens are grouped by slot; slots are bucketed by their token count (1, <= 8, more)
+its adapter. In bf16 with the AVX512-BF16 C GEMM, the GEMM computes those tokens' LoRA itself (`fused`,
+kernels/cpu/gemm_lora.c): the adapters' bytes stream in while it computes. In bf16 with AVX512-BF16 or AVX2, prefill tokens go to the segment kernel (tokens grouped by
+adapter, 4 at a time per weight load, each token still computed on its own); in bf16 on other CPUs, to
+the per-token decode kernel (torch's bf16 bmm is slow there and its result depends on the bucket's
+shape). Otherwise (fp32) prefill tokens are grouped by slot; slots are bucketed by their token count (1, <= 8, more)
 so that a bucket pads each slot's tokens to at most a few times their number, and each bucket runs as
 batched matmuls over its slots: one shrink per fused group and one expand per module, read in place
 when the bucket's tokens are one run of rows, gathered otherwise. Without a C compiler decode tokens

@@ -12,7 +12,7 @@ import ctypes
 import torch
 
 from kernels.cpu import gemm as c_gemm
-from kernels.cpu.build import has_avx512_bf16, load_functions
+from kernels.cpu.build import has_avx2_fma, has_avx512_bf16, load_functions
 
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I, _P, _I64, _I, _I, _I, _P, _P, _P]
@@ -32,7 +32,7 @@ def _segment_fns():
     global _SEG
     if _SEG is False:
         _SEG = (load_functions("lora_decode", {torch.bfloat16: "lora_segments_bf16"}, [*_ARGS[:4], _P, *_ARGS[4:]])
-                if has_avx512_bf16() else None)
+                if has_avx512_bf16() or has_avx2_fma() else None)
     return _SEG
 
 
@@ -73,7 +73,7 @@ def supports_fused(dtype: torch.dtype) -> bool:
 
 
 def supports_segments(dtype: torch.dtype) -> bool:
-    """Whether LoraSegments runs here (bf16 on a CPU with AVX512-BF16)."""
+    """Whether LoraSegments runs here (bf16 on a CPU with AVX512-BF16 or AVX2 + FMA)."""
     fns = _segment_fns()
     return fns is not None and dtype in fns
 
