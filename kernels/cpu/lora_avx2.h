@@ -4,8 +4,8 @@
  * Weights as the LoRA slots hold them: A [R][G][in] rank-major (row k * G + g is rank k of output g) and,
  * per output g, Bt [R][out_g] (B transposed, pre-scaled); only a token's first r ranks are read.
  * Every (token, row) dot product and every (token, column) expand sum is computed in one fixed order,
- * whatever the tile it is part of, so a token's delta is the same bits alone, in a segment of its adapter
- * or inside the GEMM:
+ * whatever the tile it is part of, so a token's delta is the same bits alone (decode kernel) or in a
+ * segment of its adapter (segment kernel):
  *   shrink: lane e of 8 fp32 partial sums takes, chunk after chunk of 16 inputs, element 2e then 2e + 1
  *           (one 32-byte load of bf16 is split into even and odd elements by a shift and a mask, exactly);
  *           the 8 lanes are then added by hsum8's fixed tree;
