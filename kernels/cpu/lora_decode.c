@@ -289,7 +289,10 @@ int lora_decode_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y
     {
         float *xs = (float *)malloc(sizeof(float) * PADDED(in)), v[MAX_RANK_ROWS];
         walker *pf = (walker *)malloc(sizeof(walker));
-        if (!xs) failed = 1;
+        if (!xs) {
+#pragma omp atomic write
+            failed = 1;
+        }
         const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
         for (int i = n * tid / nth; i < n * (tid + 1) / nth && xs; i++)
             lora_tokens_step(x, x_stride, y, y_stride, tok, slot, rank, i, n * (tid + 1) / nth, a, a_slot_stride, G, in,
@@ -319,7 +322,10 @@ int lora_segments_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t
     {
         float *xs = (float *)malloc(sizeof(float) * TT * PADDED(in));
         float *v = (float *)malloc(sizeof(float) * TT * MAX_RANK_ROWS);
-        if (!xs || !v) failed = 1;
+        if (!xs || !v) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
             if (!xs || !v) continue;
