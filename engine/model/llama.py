@@ -10,12 +10,14 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from engine import envs
 from engine.config import ModelConfig
 from engine.model.attention import AttentionMetadata, paged_attention, write_kv
 from engine.model.linear import Linear
 from engine.model.rope import Rope
 from engine.model.weights import LlamaWeights
 from kernels.cpu import elementwise
+from kernels.cpu.decoder import Decoder
 from kernels.cpu.gemm import GemmLora
 
 
@@ -91,6 +93,17 @@ class LlamaModel:
         self.rope = Rope(cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling, cfg.dtype)
         self.scale = cfg.head_dim ** -0.5
         self.ops = CFusedOps if elementwise.supports(cfg.dtype) else TorchOps
+        self.use_c_decoder = envs.c_decoder()
+        self._decoder: tuple[list, Decoder | None] | None = None   # (the kv_caches it was built for, it)
+
+    def decoder(self, kv_caches) -> Decoder | None:
+        """The one-call C decoder (kernels/cpu/decoder.c) over these caches, or None where it cannot run
+        (or use_c_decoder is off)."""
+        if not self.use_c_decoder:
+            return None
+        if self._decoder is None or self._decoder[0] is not kv_caches:
+            self._decoder = (kv_caches, Decoder.create(self.cfg, self.w.layers, kv_caches))
+        return self._decoder[1]
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -103,7 +116,21 @@ class LlamaModel:
         cfg, ops = self.cfg, self.ops
         x = F.embedding(input_ids, self.w.embed)                     # [T, H], the residual stream
         cos, sin = self.rope.cos[positions], self.rope.sin[positions]   # [T, head_dim]
-        layers = self.w.layers
+        decoder = self.decoder(kv_caches) if lora is None and meta.paired else None
+        if decoder is not None:
+            x += decoder.run(x, cos, sin, meta)     # _layers' loop in one C call: the same bits
+        else:
+            self._layers(x, cos, sin, meta, kv_caches, lora)
+        if hidden_indices is not None:
+            hidden = ops.rms_norm(x[hidden_indices], self.w.norm, cfg.rms_norm_eps)
+        x = ops.rms_norm(x[logits_indices], self.w.norm, cfg.rms_norm_eps)
+        logits = self.w.lm_head(x)
+        return logits if hidden_indices is None else (logits, hidden)
+
+    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, kv_caches,
+                lora: LoraHook | None) -> None:
+        """The decoder layers, op by op: x [T, H] (the embeddings) becomes the final residual stream."""
+        cfg, ops, layers = self.cfg, self.ops, self.w.layers
         h = ops.rms_norm(x, layers[0].input_norm, cfg.rms_norm_eps)
         for i, layer in enumerate(layers):
             qkv = project(layer.qkv, i, "qkv", h, lora)           # [T, q + 2kv]
@@ -123,11 +150,6 @@ class LlamaModel:
                 h = ops.add_rms_norm(x, down, layers[i + 1].input_norm, cfg.rms_norm_eps)   # x += down
             else:
                 x += down
-        if hidden_indices is not None:
-            hidden = ops.rms_norm(x[hidden_indices], self.w.norm, cfg.rms_norm_eps)
-        x = ops.rms_norm(x[logits_indices], self.w.norm, cfg.rms_norm_eps)
-        logits = self.w.lm_head(x)
-        return logits if hidden_indices is None else (logits, hidden)
 
     @torch.inference_mode()
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -53,7 +54,9 @@ def build(name: str) -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
-    sources = [src, *sorted(src.parent.glob("*.h"))]
+    # a unity build (decoder.c) includes other .c files: they are part of its key too
+    included = re.findall(r'^#include "(\w+\.c)"', src.read_text(), flags=re.M)
+    sources = [src, *(src.parent / c for c in included), *sorted(src.parent.glob("*.h"))]
     key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(FLAGS).encode()
                          + _cpu_flags().encode()).hexdigest()[:16]
     out = Path(envs.cache_dir()) / "kernels" / f"{name}-{key}.so"

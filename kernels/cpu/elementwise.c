@@ -9,7 +9,9 @@
  * rope:      x[t, h] <- x * cos[t] + rotate_half(x) * sin[t] in place     x: [T, heads, d]; cos, sin: [T, d]
  * write_kv:  the K and V rows ([T, n] at a stride) of token t into page pages[t], row offs[t] of the
  *            caches (a page's block is [block_size, n] at cache + page * page_stride)
- * Parallel over rows with OpenMP.
+ * Parallel over rows with OpenMP. The bf16/f32 ops' bodies (<op>_for_<dtype>) are work-shared loops
+ * (orphaned `omp for`): the public functions run them in a parallel region of their own, decoder.c inside
+ * the one region of a whole decoder pass.
  */
 #include <math.h>
 #include <stdint.h>
@@ -28,9 +30,9 @@ static inline float silu(float a) {
 }
 
 #define DEFINE_OPS(SUFFIX, T, LOAD, STORE, ROUND)                                                            \
-void rms_norm_##SUFFIX(const T *x, int64_t x_stride, const T *w, T *out, int64_t out_stride, int64_t rows,  \
+static void rms_norm_for_##SUFFIX(const T *x, int64_t x_stride, const T *w, T *out, int64_t out_stride, int64_t rows,  \
                        int H, float eps) {                                                                    \
-    _Pragma("omp parallel for schedule(static)")                                                              \
+    _Pragma("omp for schedule(static)")                                                                       \
     for (int64_t t = 0; t < rows; t++) {                                                                      \
         const T *xt = x + t * x_stride;                                                                       \
         float ss = 0.f;                                                                                       \
@@ -43,9 +45,9 @@ void rms_norm_##SUFFIX(const T *x, int64_t x_stride, const T *w, T *out, int64_t
     }                                                                                                         \
 }                                                                                                             \
                                                                                                               \
-void add_rms_norm_##SUFFIX(T *x, int64_t x_stride, const T *d, int64_t d_stride, const T *w, T *out,             \
+static void add_rms_norm_for_##SUFFIX(T *x, int64_t x_stride, const T *d, int64_t d_stride, const T *w, T *out,             \
                            int64_t out_stride, int64_t rows, int H, float eps) {                              \
-    _Pragma("omp parallel for schedule(static)")                                                              \
+    _Pragma("omp for schedule(static)")                                                                       \
     for (int64_t t = 0; t < rows; t++) {                                                                      \
         T *xt = x + t * x_stride;                                                                             \
         const T *dt = d + t * d_stride;                                                                       \
@@ -63,8 +65,8 @@ void add_rms_norm_##SUFFIX(T *x, int64_t x_stride, const T *d, int64_t d_stride,
     }                                                                                                         \
 }                                                                                                             \
                                                                                                               \
-void silu_mul_##SUFFIX(const T *gu, int64_t gu_stride, T *out, int64_t out_stride, int64_t rows, int I) {     \
-    _Pragma("omp parallel for schedule(static)")                                                              \
+static void silu_mul_for_##SUFFIX(const T *gu, int64_t gu_stride, T *out, int64_t out_stride, int64_t rows, int I) {     \
+    _Pragma("omp for schedule(static)")                                                                       \
     for (int64_t t = 0; t < rows; t++) {                                                                      \
         const T *g = gu + t * gu_stride, *u = g + I;                                                          \
         T *ot = out + t * out_stride;                                                                         \
@@ -75,9 +77,9 @@ void silu_mul_##SUFFIX(const T *gu, int64_t gu_stride, T *out, int64_t out_strid
     }                                                                                                         \
 }                                                                                                             \
                                                                                                               \
-void rope_##SUFFIX(T *x, int64_t row_stride, int64_t rows, int heads, int d, const T *cos, const T *sin) {   \
+static void rope_for_##SUFFIX(T *x, int64_t row_stride, int64_t rows, int heads, int d, const T *cos, const T *sin) {   \
     const int half = d / 2;                                                                                   \
-    _Pragma("omp parallel for schedule(static)")                                                              \
+    _Pragma("omp for schedule(static)")                                                                       \
     for (int64_t t = 0; t < rows; t++) {                                                                      \
         const T *c = cos + t * d, *s = sin + t * d;                                                           \
         for (int h = 0; h < heads; h++) {                                                                     \
@@ -91,6 +93,21 @@ void rope_##SUFFIX(T *x, int64_t row_stride, int64_t rows, int heads, int d, con
             }                                                                                                 \
         }                                                                                                     \
     }                                                                                                         \
+}                                                                                                             \
+/* the public ops: one parallel region each (decoder.c runs the _for bodies inside its own) */            \
+void rms_norm_##SUFFIX(const T *x, int64_t x_stride, const T *w, T *out, int64_t out_stride, int64_t rows, int H, \
+                       float eps) {                                                                           \
+    _Pragma("omp parallel") rms_norm_for_##SUFFIX(x, x_stride, w, out, out_stride, rows, H, eps);             \
+}                                                                                                             \
+void add_rms_norm_##SUFFIX(T *x, int64_t x_stride, const T *d, int64_t d_stride, const T *w, T *out,          \
+                           int64_t out_stride, int64_t rows, int H, float eps) {                              \
+    _Pragma("omp parallel") add_rms_norm_for_##SUFFIX(x, x_stride, d, d_stride, w, out, out_stride, rows, H, eps); \
+}                                                                                                             \
+void silu_mul_##SUFFIX(const T *gu, int64_t gu_stride, T *out, int64_t out_stride, int64_t rows, int I) {     \
+    _Pragma("omp parallel") silu_mul_for_##SUFFIX(gu, gu_stride, out, out_stride, rows, I);                   \
+}                                                                                                             \
+void rope_##SUFFIX(T *x, int64_t row_stride, int64_t rows, int heads, int d, const T *cos, const T *sin) {   \
+    _Pragma("omp parallel") rope_for_##SUFFIX(x, row_stride, rows, heads, d, cos, sin);                       \
 }
 
 void write_kv(const char *k, int64_t k_stride, const char *v, int64_t v_stride, char *k_cache, char *v_cache,

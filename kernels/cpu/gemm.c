@@ -7,12 +7,12 @@
  */
 #include "gemm_tile.h"
 
-/* x: [M, K] rows at stride xs; y: [M, N] rows at stride ys; p: packed W. Returns 0, or -1 for an odd K. */
-int gemm_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y, int64_t ys, int M, int K, int N) {
-    if (K % 2 || M <= 0) return K % 2 ? -1 : 0;
+/* The body of gemm_bf16, run by every thread of the enclosing parallel region (a work-shared loop, with
+ * its implicit barrier); outside one, by the caller alone. */
+static void gemm_for(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y, int64_t ys, int M, int K, int N) {
     const int nblocks = (N + NB - 1) / NB, mblocks = (M + MC - 1) / MC;
     const int mc = ((M + mblocks - 1) / mblocks + MR - 1) / MR * MR;   /* balanced row blocks */
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
     for (int task = 0; task < mblocks * nblocks; task++) {
         const int mb = task / nblocks, nb = task % nblocks;
         const int m0 = mb * mc, m1 = m0 + mc < M ? m0 + mc : M;
@@ -22,5 +22,12 @@ int gemm_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y, int
             tile(x + (int64_t)m * xs, xs, pn, y + (int64_t)m * ys + nb * NB, ys, K, m1 - m < MR ? m1 - m : MR, ncols,
                  0, m, nb * NB, 0, nb + 1 < nblocks ? pn + (int64_t)K * NB : 0, (m - m0) / MR, (m1 - m0 + MR - 1) / MR);
     }
+}
+
+/* x: [M, K] rows at stride xs; y: [M, N] rows at stride ys; p: packed W. Returns 0, or -1 for an odd K. */
+int gemm_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y, int64_t ys, int M, int K, int N) {
+    if (K % 2 || M <= 0) return K % 2 ? -1 : 0;
+#pragma omp parallel
+    gemm_for(x, xs, p, y, ys, M, K, N);
     return 0;
 }

@@ -212,46 +212,65 @@ static inline __attribute__((always_inline)) void head_group(
     }
 }
 
+/* The rows of thread `first` of nth (rows first, first + nth, ...), as paired_attention_bf16 runs them in
+ * each thread of its parallel region (decoder.c, in each thread of its own). Returns 0, or -2 when the
+ * thread's scratch could not be allocated. No barrier: the caller waits for all threads' rows. */
+static int attention_rows(const uint16_t *q, int64_t q_stride, uint16_t *out, const uint16_t *k, const uint16_t *v,
+                          int64_t page_stride, const int64_t *tables, int64_t max_blocks, const int64_t *lens, int D,
+                          int H, int KVH, int d, int bs, float scale, int first, int nth) {
+    const int G = H / KVH;
+    if (first < D) {   /* the first row's first lines: no row before it prefetched them */
+        line_cursor c = cursor_of(k, v, page_stride, tables + (int64_t)first * max_blocks, lens[first], bs, d, KVH);
+        cursor_step(&c, 256);
+    }
+    int64_t max_len = 1;
+    for (int r = first; r < D; r += nth) max_len = lens[r] > max_len ? lens[r] : max_len;
+    const int64_t max_ss = (max_len + 15) / 16 * 16;
+    float *s = (float *)malloc(sizeof(float) * QG * max_ss + sizeof(uint32_t) * QG * (max_ss / 2) + 64);
+    if (!s) return -2;
+    for (int r = first; r < D; r += nth) {   /* interleaved: this thread's next row is r + nth */
+        const int64_t len = lens[r], ss = (len + 15) / 16 * 16;
+        const int64_t *table = tables + (int64_t)r * max_blocks;
+        line_cursor cur = cursor_of(k, v, page_stride, r + nth < D ? tables + (int64_t)(r + nth) * max_blocks : NULL,
+                                    r + nth < D ? lens[r + nth] : 0, bs, d, KVH);
+        cursor_skip_shared(&cur, table, (len + bs - 1) / bs);
+        uint32_t *p32 = (uint32_t *)(s + QG * ss);
+        const uint16_t *qr = q + (int64_t)r * q_stride;
+        uint16_t *outr = out + (int64_t)r * H * d;
+        for (int h = 0; h < KVH; h++)
+            for (int g0 = 0; g0 < G; g0 += QG) {
+                switch (G - g0 < QG ? G - g0 : QG) {   /* a specialised copy per group size */
+                case 1: head_group(qr, outr, k, v, page_stride, table, len, G, d, bs, scale, h, g0, s, p32, &cur, 1); break;
+                case 2: head_group(qr, outr, k, v, page_stride, table, len, G, d, bs, scale, h, g0, s, p32, &cur, 2); break;
+                case 3: head_group(qr, outr, k, v, page_stride, table, len, G, d, bs, scale, h, g0, s, p32, &cur, 3); break;
+                default: head_group(qr, outr, k, v, page_stride, table, len, G, d, bs, scale, h, g0, s, p32, &cur, 4); break;
+                }
+            }
+    }
+    free(s);
+    return 0;
+}
+
+/* Whether paired_attention_bf16 takes this shape. */
+static int attention_shape_ok(int H, int KVH, int d, int bs) {
+    return H % KVH == 0 && d % 32 == 0 && bs % 16 == 0 && d <= 1024;
+}
+
 int paired_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, const uint16_t *k, const uint16_t *v, int64_t page_stride,
                           const int64_t *tables, int64_t max_blocks, const int64_t *lens, int D, int H, int KVH, int d,
                           int bs, float scale) {
-    const int G = H / KVH;
-    if (G * KVH != H || d % 32 || bs % 16 || d > 1024) return -1;
+    if (!attention_shape_ok(H, KVH, d, bs)) return -1;
     int failed = 0;
 #pragma omp parallel
     {
-        const int nth = omp_get_num_threads(), first = omp_get_thread_num();
-        if (first < D) {   /* the first row's first lines: no row before it prefetched them */
-            line_cursor c = cursor_of(k, v, page_stride, tables + (int64_t)first * max_blocks, lens[first], bs, d, KVH);
-            cursor_step(&c, 256);
+        const int rc = attention_rows(q, q_stride, out, k, v, page_stride, tables, max_blocks, lens, D, H, KVH, d, bs,
+                                      scale, omp_get_thread_num(), omp_get_num_threads());
+        if (rc) {
+#pragma omp atomic write
+            failed = rc;
         }
-        int64_t max_len = 1;
-        for (int r = first; r < D; r += nth) max_len = lens[r] > max_len ? lens[r] : max_len;
-        const int64_t max_ss = (max_len + 15) / 16 * 16;
-        float *s = (float *)malloc(sizeof(float) * QG * max_ss + sizeof(uint32_t) * QG * (max_ss / 2) + 64);
-        if (!s) failed = 1;
-        for (int r = first; r < D && s; r += nth) {   /* interleaved: this thread's next row is r + nth */
-            const int64_t len = lens[r], ss = (len + 15) / 16 * 16;
-            const int64_t *table = tables + (int64_t)r * max_blocks;
-            line_cursor cur = cursor_of(k, v, page_stride, r + nth < D ? tables + (int64_t)(r + nth) * max_blocks : NULL,
-                                        r + nth < D ? lens[r + nth] : 0, bs, d, KVH);
-            cursor_skip_shared(&cur, table, (len + bs - 1) / bs);
-            uint32_t *p32 = (uint32_t *)(s + QG * ss);
-            const uint16_t *qr = q + (int64_t)r * q_stride;
-            uint16_t *outr = out + (int64_t)r * H * d;
-            for (int h = 0; h < KVH; h++)
-                for (int g0 = 0; g0 < G; g0 += QG) {
-                    switch (G - g0 < QG ? G - g0 : QG) {   /* a specialised copy per group size */
-                    case 1: head_group(qr, outr, k, v, page_stride, table, len, G, d, bs, scale, h, g0, s, p32, &cur, 1); break;
-                    case 2: head_group(qr, outr, k, v, page_stride, table, len, G, d, bs, scale, h, g0, s, p32, &cur, 2); break;
-                    case 3: head_group(qr, outr, k, v, page_stride, table, len, G, d, bs, scale, h, g0, s, p32, &cur, 3); break;
-                    default: head_group(qr, outr, k, v, page_stride, table, len, G, d, bs, scale, h, g0, s, p32, &cur, 4); break;
-                    }
-                }
-        }
-        free(s);
     }
-    return failed ? -2 : 0;
+    return failed;
 }
 #else
 int paired_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, const uint16_t *k, const uint16_t *v, int64_t page_stride,
@@ -263,14 +282,12 @@ int paired_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, co
 }
 #endif
 
-int write_kv_paired_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride, uint16_t *k_cache,
-                         uint16_t *v_cache, int64_t page_stride, const int64_t *pages, const int64_t *offs, int64_t rows,
-                         int KVH, int d, int bs) {
-    if (d % 2 || bs % 2) return -1;
+/* The body of write_kv_paired_bf16: a work-shared loop over the tokens (see gemm.c's gemm_for). */
+static void write_kv_paired_for(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride,
+                                uint16_t *k_cache, uint16_t *v_cache, int64_t page_stride, const int64_t *pages,
+                                const int64_t *offs, int64_t rows, int KVH, int d, int bs) {
     const int64_t piece = (int64_t)bs * d;
-    /* each token's writes wait on their own cache misses (a decode step's tokens are on scattered pages):
-     * spread them over the threads from a few rows on (measured: a 64-row decode step, 30 layers: 2.6 -> 2.0 ms) */
-#pragma omp parallel for schedule(static) if (rows > 8)
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < rows; t++) {
         const int64_t o = offs[t];
         uint16_t *kp = k_cache + pages[t] * page_stride, *vp = v_cache + pages[t] * page_stride;
@@ -281,5 +298,15 @@ int write_kv_paired_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v,
             for (int i = 0; i < d; i++) vh[2 * i] = vt[h * d + i];
         }
     }
+}
+
+int write_kv_paired_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride, uint16_t *k_cache,
+                         uint16_t *v_cache, int64_t page_stride, const int64_t *pages, const int64_t *offs, int64_t rows,
+                         int KVH, int d, int bs) {
+    if (d % 2 || bs % 2) return -1;
+    /* each token's writes wait on their own cache misses (a decode step's tokens are on scattered pages):
+     * spread them over the threads from a few rows on (measured: a 64-row decode step, 30 layers: 2.6 -> 2.0 ms) */
+#pragma omp parallel if (rows > 8)
+    write_kv_paired_for(k, k_stride, v, v_stride, k_cache, v_cache, page_stride, pages, offs, rows, KVH, d, bs);
     return 0;
 }

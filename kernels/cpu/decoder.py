@@ -1,0 +1,97 @@
+"""ctypes binding of decoder.c: all decoder layers of a Llama step in one C call (AVX512-BF16, bf16 weights on
+the C GEMM, the paired KV layout). The same kernels in the same order as the per-op layer loop of
+engine/model/llama.py, so the same bits, without its Python and per-op parallel regions between them
+(about 10 calls a layer; on a 64-row decode step, ~3 ms of Python per step on the hosts measured).
+
+The model uses it for steps with no adapter (LoRA deltas are added between the ops, in Python).
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kernels.cpu import gemm as c_gemm
+from kernels.cpu.build import has_avx512_bf16, load_functions
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_void_p) for n in ("qkv", "o", "gate_up", "down", "input_norm", "post_norm",
+                                               "k_cache", "v_cache")]
+
+
+class _Args(ctypes.Structure):
+    _fields_ = ([(n, ctypes.c_int) for n in ("num_layers", "T", "H", "heads", "kv_heads", "d", "I", "block_size")]
+                + [("page_stride", ctypes.c_int64), ("max_blocks", ctypes.c_int64), ("eps", ctypes.c_float),
+                   ("scale", ctypes.c_float), ("layers", ctypes.c_void_p)]
+                + [(n, ctypes.c_void_p) for n in ("x", "h", "qkv", "attn", "o", "gate_up", "act", "down", "cos",
+                                                  "sin", "pages", "offs", "tables", "lens")])
+
+
+_FN: object = False   # False until first use
+
+
+def _fn():
+    global _FN
+    if _FN is False:
+        fns = load_functions("decoder", {0: "decoder_layers_bf16"}, [ctypes.c_void_p]) if has_avx512_bf16() else None
+        _FN = None if fns is None else fns[0]
+    return _FN
+
+
+class Decoder:
+    """The decoder layers of one model over one KV pool: run(x, ...) is the layer loop of LlamaModel.forward
+    for a step with no adapter. Build with Decoder.create (None where this host or model cannot)."""
+
+    def __init__(self, cfg, layers, kv_caches):
+        self.cfg = cfg
+        self.num_layers = len(layers)
+        self.k_view = kv_caches[0][0]          # paired K view [pages, kvh, d / 2, bs, 2]
+        self.layers = (_Layer * len(layers))(*[
+            _Layer(w.qkv.c.packed_ptr, w.o.c.packed_ptr, w.gate_up.c.packed_ptr, w.down.c.packed_ptr,
+                   w.input_norm.data_ptr(), w.post_norm.data_ptr(), k.data_ptr(), v.data_ptr())
+            for w, (k, v) in zip(layers, kv_caches)])
+        self._keep = (layers, kv_caches)       # the memory behind the pointers above
+
+    @classmethod
+    def create(cls, cfg, layers, kv_caches) -> "Decoder | None":
+        """cfg: the ModelConfig; layers: LayerWeights; kv_caches: the paired (K, V) views per layer."""
+        if _fn() is None or cfg.dtype != torch.bfloat16 or kv_caches[0][0].dim() != 5:
+            return None
+        nb = c_gemm.NB
+        for w in layers:
+            for lin in (w.qkv, w.o, w.gate_up, w.down):
+                if lin.c is None or lin.c.fns.get("nb") != nb or lin.c.fns is not c_gemm.variant("avx512bf16"):
+                    return None
+            if not (w.input_norm.is_contiguous() and w.post_norm.is_contiguous()):
+                return None
+        return cls(cfg, layers, kv_caches)
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta) -> torch.Tensor:
+        """x: [T, H] bf16 contiguous (the embeddings), updated in place to the residual stream after the last
+        layer's attention and MLP but before its residual add, which is returned ([T, H]: the caller adds it,
+        as the layer loop does). cos, sin: [T, d]; meta: the step's AttentionMetadata (paired: every token a
+        row of decode_block_tables / decode_lens)."""
+        cfg = self.cfg
+        t, hdim = x.shape
+        assert x.is_contiguous() and x.dtype == torch.bfloat16 and hdim == cfg.hidden_size
+        assert meta.paired and meta.num_decode == t and not meta.prefills
+        cos, sin = cos.contiguous(), sin.contiguous()
+        tables = meta.decode_block_tables.to(torch.int64).contiguous()
+        lens = meta.decode_lens.to(torch.int64).contiguous()
+        pages = meta.slot_page.to(torch.int64).contiguous()
+        offs = meta.slot_offset.to(torch.int64).contiguous()
+        assert tables.shape[0] == lens.shape[0] == pages.shape[0] == offs.shape[0] == t
+        q, kv, i2 = cfg.q_size, cfg.kv_size, 2 * cfg.intermediate_size
+        new = lambda n: torch.empty(t, n, dtype=x.dtype)   # noqa: E731
+        bufs = {"h": new(hdim), "qkv": new(q + 2 * kv), "attn": new(q), "o": new(hdim), "gate_up": new(i2),
+                "act": new(i2 // 2), "down": new(hdim)}
+        k = self.k_view
+        args = _Args(self.num_layers, t, hdim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+                     k.shape[3], k.stride(0), tables.shape[1], cfg.rms_norm_eps, cfg.head_dim ** -0.5,
+                     ctypes.addressof(self.layers), x.data_ptr(), *(b.data_ptr() for b in bufs.values()),
+                     cos.data_ptr(), sin.data_ptr(), pages.data_ptr(), offs.data_ptr(), tables.data_ptr(),
+                     lens.data_ptr())
+        rc = _fn()(ctypes.addressof(args))
+        if rc != 0:
+            raise RuntimeError(f"decoder_layers_bf16 failed with code {rc}")
+        return bufs["down"]
