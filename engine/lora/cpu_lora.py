@@ -108,6 +108,10 @@ class LoraBatch:
         buckets = [_bucket(g, per_slot) for g in groups.values()]
         return cls(slots, buckets, decode, rank, modules, fused_rows=fused_rows)
 
+    def fused_only(self) -> bool:
+        return (self.fused_rows is not None and self.segments is None and not self.buckets
+                and all(self.weights(0, g).fusable for g in self.groups))
+
     def fused(self, layer: int, group: str) -> GemmLora | None:
         """The decode tokens' LoRA for a C base GEMM to compute itself (c_gemm.GemmLora), or None; after
         such a GEMM, apply(..., fused=True) adds only the other tokens' deltas."""

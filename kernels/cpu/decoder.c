@@ -1,7 +1,7 @@
 /* Every decoder layer of a Llama model over one step's T tokens, in one call and one OpenMP parallel region
  * (AVX512-BF16, bf16, the paired KV layout): the layer loop of engine/model/llama.py without its ~10
  * Python-to-C calls and parallel regions per layer. Each stage is the same kernel body the separate
- * calls run (a unity build of gemm.c, elementwise.c and paired_attention.c), and the stages are separated
+ * calls run (a unity build of gemm.c, gemm_lora.c, elementwise.c and paired_attention.c), and the stages are separated
  * by barriers, so the result has exactly the bits of the per-op path. Per layer:
  *
  *   qkv = h @ Wqkv^T; rope(q, k); K/V -> cache; attn = attention(q); o = attn @ Wo^T;
@@ -12,10 +12,25 @@
  * [T, Q + 2 KV] (Q = heads * d, KV = kv_heads * d); attn [T, Q]; gate_up [T, 2I]; act [T, I]; all rows
  * contiguous. cos, sin [T, d]; pages, offs [T] (the tokens' K/V slots); tables [T, max_blocks], lens [T]
  * (every token is one query row over its own prefix, as paired_attention_bf16 takes them).
+ *
+ * With `lora`, each projection group that has one computes its rows' multi-LoRA inside the GEMM, as
+ * gemm_lora_bf16 does (decode steps whose every adapter delta the GEMMs compute: LoraBatch.fused_only).
  */
 #include "gemm.c"
+#include "gemm_lora.c"
 #include "elementwise.c"
 #include "paired_attention.c"
+
+#define NGROUPS 4   /* projection groups per layer: qkv, o, gate_up, down */
+
+/* One projection group's multi-LoRA for the step (gemm_lora.c's arguments); a == NULL: none. */
+typedef struct {
+    const uint16_t *a;
+    int64_t a_slot_stride;
+    int R, G;
+    const uint16_t *const *b;
+    const int64_t *b_slot_stride, *out;
+} decoder_lora;
 
 typedef struct {
     const uint16_t *qkv, *o, *gate_up, *down;   /* packed weights (gemm_tile.h's layout) */
@@ -31,49 +46,104 @@ typedef struct {
     uint16_t *x, *h, *qkv, *attn, *o, *gate_up, *act, *down;
     const uint16_t *cos, *sin;
     const int64_t *pages, *offs, *tables, *lens;
+    const decoder_lora *lora;                   /* [num_layers][NGROUPS], or NULL: no adapter in the step */
+    const int64_t *slot, *rank;                 /* [T] each row's LoRA slot (-1: none) and rank */
+    uint32_t *vp;                               /* [T, vp_stride] scratch (the shrinks' results) */
+    int64_t vp_stride;
 } decoder_args;
 
+/* What one thread needs besides the arguments: the rows with an adapter, its prefetch walker. */
+typedef struct {
+    const int64_t *rows;
+    int nrows;
+    walker *w;
+} step_state;
+
 #if defined(__AVX512BF16__)
+/* y [T, N] = x [T, K] @ W^T of projection group g of layer l, with its rows' LoRA inside when it has one
+ * (gemm_lora.c); every thread of the region calls it, and it ends with all threads done. */
+static void project(const decoder_args *a, const step_state *st, int l, int g, const uint16_t *x, int K,
+                    const uint16_t *p, uint16_t *y, int N) {
+    const decoder_lora *lo = a->lora ? a->lora + (int64_t)l * NGROUPS + g : 0;
+    if (!lo || !lo->a || st->nrows == 0) {
+        gemm_for(x, K, p, y, N, a->T, K, N);
+        return;
+    }
+    const job j = make_job(x, K, p, y, N, a->T, K, N, st->rows, st->nrows, a->slot, a->rank, lo->a,
+                           lo->a_slot_stride, lo->G, lo->b, lo->b_slot_stride, lo->out, a->vp, a->vp_stride);
+    gemm_lora_run(&j, st->w);
+#pragma omp barrier
+}
+
 /* One layer, run by every thread of the region; returns this thread's attention status (0 or -2). */
-static int layer(const decoder_args *a, int l, int t, int nth) {
+static int layer(const decoder_args *a, const step_state *st, int l, int t, int nth) {
     const decoder_layer *w = a->layers + l;
     const int H = a->H, T = a->T, d = a->d, Q = a->heads * d, KV = a->kv_heads * d, N = Q + 2 * KV, I2 = 2 * a->I;
-    gemm_for(a->h, H, w->qkv, a->qkv, N, T, H, N);
+    project(a, st, l, 0, a->h, H, w->qkv, a->qkv, N);
     rope_for_bf16(a->qkv, N, T, a->heads + a->kv_heads, d, a->cos, a->sin);
     write_kv_paired_for(a->qkv + Q, N, a->qkv + Q + KV, N, (uint16_t *)w->k_cache, (uint16_t *)w->v_cache,
                         a->page_stride, a->pages, a->offs, T, a->kv_heads, d, a->block_size);
     const int rc = attention_rows(a->qkv, N, a->attn, w->k_cache, w->v_cache, a->page_stride, a->tables,
                                   a->max_blocks, a->lens, T, a->heads, a->kv_heads, d, a->block_size, a->scale, t, nth);
 #pragma omp barrier
-    gemm_for(a->attn, Q, w->o, a->o, H, T, Q, H);
+    project(a, st, l, 1, a->attn, Q, w->o, a->o, H);
     add_rms_norm_for_bf16(a->x, H, a->o, H, w->post_norm, a->h, H, T, H, a->eps);
-    gemm_for(a->h, H, w->gate_up, a->gate_up, I2, T, H, I2);
+    project(a, st, l, 2, a->h, H, w->gate_up, a->gate_up, I2);
     silu_mul_for_bf16(a->gate_up, I2, a->act, a->I, T, a->I);
-    gemm_for(a->act, a->I, w->down, a->down, H, T, a->I, H);
+    project(a, st, l, 3, a->act, a->I, w->down, a->down, H);
     if (l + 1 < a->num_layers)
         add_rms_norm_for_bf16(a->x, H, a->down, H, a->layers[l + 1].input_norm, a->h, H, T, H, a->eps);
     return rc;
 }
 
-/* Returns 0; -1 for a shape the kernels do not take (odd H, Q or I; see paired_attention_bf16); -2 when
- * attention scratch could not be allocated (the outputs are then undefined). */
+/* The LoRA groups' shapes (as gemm_lora_bf16 checks them) and the largest rank: 0, or gemm_lora's codes. */
+static int check_lora(const decoder_args *a, int *max_rank) {
+    const int Q = a->heads * a->d, N[NGROUPS] = {Q + 2 * a->kv_heads * a->d, a->H, 2 * a->I, a->H},
+              K[NGROUPS] = {a->H, Q, a->H, a->I};
+    *max_rank = 0;
+    for (int l = 0; a->lora && l < a->num_layers; l++)
+        for (int g = 0; g < NGROUPS; g++) {
+            const decoder_lora *lo = a->lora + (int64_t)l * NGROUPS + g;
+            if (!lo->a) continue;
+            const int bad = check_shapes(K[g], N[g], lo->R, lo->G, lo->out);
+            if (bad) return bad;
+            if ((int64_t)(lo->R + 1) / 2 * lo->G > a->vp_stride) return -1;
+            if (lo->R > *max_rank) *max_rank = lo->R;
+        }
+    return 0;
+}
+
+/* Returns 0; -1 for a shape the kernels do not take (odd H, Q or I; see paired_attention_bf16 and
+ * gemm_lora_bf16); -3 a LoRA rank out of range; -2 or -4 when scratch could not be allocated (the outputs
+ * are then undefined). */
 int decoder_layers_bf16(const decoder_args *a) {
     if (a->H % 2 || a->I % 2 || (a->heads * a->d) % 2 || !attention_shape_ok(a->heads, a->kv_heads, a->d, a->block_size))
         return -1;
+    int max_rank;
+    const int bad = check_lora(a, &max_rank);
+    if (bad) return bad;
     if (a->T <= 0) return 0;
+    int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * a->T);
+    walker *walkers = (walker *)malloc(sizeof(walker) * omp_get_max_threads());
+    if (!rows || !walkers) { free(rows); free(walkers); return -4; }
+    const int nrows = a->lora ? adapter_rows(a->slot, a->rank, a->T, max_rank, rows) : 0;
+    if (nrows < 0) { free(rows); free(walkers); return nrows; }
     int failed = 0;
 #pragma omp parallel
     {
         const int t = omp_get_thread_num(), nth = omp_get_num_threads();
+        const step_state st = {rows, nrows, walkers + t};
         rms_norm_for_bf16(a->x, a->H, a->layers[0].input_norm, a->h, a->H, a->T, a->H, a->eps);
         for (int l = 0; l < a->num_layers; l++) {
-            const int rc = layer(a, l, t, nth);
+            const int rc = layer(a, &st, l, t, nth);
             if (rc) {
 #pragma omp atomic write
                 failed = rc;
             }
         }
     }
+    free(rows);
+    free(walkers);
     return failed;
 }
 #else

@@ -3,7 +3,9 @@ the C GEMM, the paired KV layout). The same kernels in the same order as the per
 engine/model/llama.py, so the same bits, without its Python and per-op parallel regions between them
 (about 10 calls a layer; on a 64-row decode step, ~3 ms of Python per step on the hosts measured).
 
-The model uses it for steps with no adapter (LoRA deltas are added between the ops, in Python).
+The model uses it for steps with no adapter, and for steps whose every adapter delta the base GEMMs
+compute themselves (decode tokens, gemm_lora.c); other steps' LoRA deltas are added between the ops, in
+Python.
 """
 from __future__ import annotations
 
@@ -19,12 +21,22 @@ class _Layer(ctypes.Structure):
                                                "k_cache", "v_cache")]
 
 
+class _Lora(ctypes.Structure):
+    _fields_ = [("a", ctypes.c_void_p), ("a_slot_stride", ctypes.c_int64), ("R", ctypes.c_int), ("G", ctypes.c_int),
+                ("b", ctypes.c_void_p), ("b_slot_stride", ctypes.c_void_p), ("out", ctypes.c_void_p)]
+
+
 class _Args(ctypes.Structure):
     _fields_ = ([(n, ctypes.c_int) for n in ("num_layers", "T", "H", "heads", "kv_heads", "d", "I", "block_size")]
                 + [("page_stride", ctypes.c_int64), ("max_blocks", ctypes.c_int64), ("eps", ctypes.c_float),
                    ("scale", ctypes.c_float), ("layers", ctypes.c_void_p)]
                 + [(n, ctypes.c_void_p) for n in ("x", "h", "qkv", "attn", "o", "gate_up", "act", "down", "cos",
-                                                  "sin", "pages", "offs", "tables", "lens")])
+                                                  "sin", "pages", "offs", "tables", "lens", "lora", "slot", "rank",
+                                                  "vp")]
+                + [("vp_stride", ctypes.c_int64)])
+
+
+GROUPS = ("qkv", "o", "gate_up", "down")   # decoder.c's order of a layer's projection groups
 
 
 _FN: object = False   # False until first use
@@ -40,7 +52,7 @@ def _fn():
 
 class Decoder:
     """The decoder layers of one model over one KV pool: run(x, ...) is the layer loop of LlamaModel.forward
-    for a step with no adapter. Build with Decoder.create (None where this host or model cannot)."""
+    for a step with no adapter, or whose adapters the GEMMs apply. Build with Decoder.create (None where this host or model cannot)."""
 
     def __init__(self, cfg, layers, kv_caches):
         self.cfg = cfg
@@ -51,6 +63,7 @@ class Decoder:
                    w.input_norm.data_ptr(), w.post_norm.data_ptr(), k.data_ptr(), v.data_ptr())
             for w, (k, v) in zip(layers, kv_caches)])
         self._keep = (layers, kv_caches)       # the memory behind the pointers above
+        self._lora_structs: dict[int, tuple[object, _Lora]] = {}   # id(weights) -> (weights, its struct)
 
     @classmethod
     def create(cls, cfg, layers, kv_caches) -> "Decoder | None":
@@ -66,11 +79,42 @@ class Decoder:
                 return None
         return cls(cfg, layers, kv_caches)
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta) -> torch.Tensor:
+    def _lora_struct(self, gl: c_gemm.GemmLora) -> _Lora:
+        """The C view of one group's LoRA weights (the slots' buffers: built once per group)."""
+        hit = self._lora_structs.get(id(gl.owner))
+        if hit is None:
+            _, r, g, _ = gl.a.shape
+            st = _Lora(gl.a.data_ptr(), gl.a.stride(0), r, g, ctypes.addressof(gl.b_ptrs),
+                       ctypes.addressof(gl.b_strides), ctypes.addressof(gl.outs))
+            hit = self._lora_structs[id(gl.owner)] = (gl.owner, st)
+        return hit[1]
+
+    def _lora_args(self, lora, t: int) -> tuple:
+        """(descriptors [L][4], slot, rank, vp scratch, vp stride, what keeps them alive) for a step whose
+        every adapter delta the GEMMs compute (LoraHook.fused_only)."""
+        descs = (_Lora * (self.num_layers * len(GROUPS)))()
+        slot = rank = None
+        width = 1
+        for layer in range(self.num_layers):
+            for j, group in enumerate(GROUPS):
+                gl = lora.fused(layer, group)
+                if gl is None:
+                    continue
+                descs[layer * len(GROUPS) + j] = self._lora_struct(gl)
+                slot, rank = gl.slot, gl.rank
+                width = max(width, (gl.a.shape[1] + 1) // 2 * gl.a.shape[2])
+        if slot is None:
+            return None
+        assert slot.shape == rank.shape == (t,) and slot.dtype == rank.dtype == torch.int64
+        vp = torch.empty(t, width, dtype=torch.int32)
+        return descs, slot, rank, vp, width
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, lora=None) -> torch.Tensor:
         """x: [T, H] bf16 contiguous (the embeddings), updated in place to the residual stream after the last
         layer's attention and MLP but before its residual add, which is returned ([T, H]: the caller adds it,
         as the layer loop does). cos, sin: [T, d]; meta: the step's AttentionMetadata (paired: every token a
-        row of decode_block_tables / decode_lens)."""
+        row of decode_block_tables / decode_lens). lora: a LoraHook whose every delta the GEMMs compute
+        (fused_only()), or None."""
         cfg = self.cfg
         t, hdim = x.shape
         assert x.is_contiguous() and x.dtype == torch.bfloat16 and hdim == cfg.hidden_size
@@ -91,6 +135,12 @@ class Decoder:
                      ctypes.addressof(self.layers), x.data_ptr(), *(b.data_ptr() for b in bufs.values()),
                      cos.data_ptr(), sin.data_ptr(), pages.data_ptr(), offs.data_ptr(), tables.data_ptr(),
                      lens.data_ptr())
+        la = self._lora_args(lora, t) if lora is not None else None
+        if la is not None:
+            descs, slot, rank, vp, width = la
+            args.lora, args.slot, args.rank, args.vp = (ctypes.addressof(descs), slot.data_ptr(), rank.data_ptr(),
+                                                        vp.data_ptr())
+            args.vp_stride = width
         rc = _fn()(ctypes.addressof(args))
         if rc != 0:
             raise RuntimeError(f"decoder_layers_bf16 failed with code {rc}")

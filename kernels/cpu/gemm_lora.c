@@ -118,29 +118,34 @@ static void phase(const job *j, int c0, int c1, const lora_args *l, step_fn step
     }
 }
 
-/* x [M, K], y [M, N] (rows at strides xs, ys), p: packed W; slot, rank: [M] (slot -1: no adapter); a, b,
- * out as above; v: [M] rows of >= R * G fp32 at v_stride (scratch). 0, -1 odd K, -2 outputs that are not
- * multiples of 16 or do not add up to N, -3 a rank out of range, -4 out of memory. */
-int gemm_lora_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y, int64_t ys, int M, int K, int N,
-                   const int64_t *slot, const int64_t *rank, const uint16_t *a, int64_t a_slot_stride, int R, int G,
-                   const uint16_t *const *b, const int64_t *b_slot_stride, const int64_t *out, uint32_t *vp,
-                   int64_t vp_stride) {
+/* Checks a call's LoRA shapes: 0, -1 odd K or R * G too large, -2 outputs that are not multiples of 16 or
+ * do not add up to N (or G out of range). */
+static int check_shapes(int K, int N, int R, int G, const int64_t *out) {
     if (K % 2 || R * G > MAX_ROWS) return -1;
-    if (M <= 0) return 0;
+    if (G < 1 || G > MAX_GROUPS) return -2;
     int64_t total = 0;
     for (int g = 0; g < G; g++) {
         if (out[g] % 16) return -2;
         total += out[g];
     }
-    if (G < 1 || G > MAX_GROUPS || total != N) return -2;
-    int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * M);
-    if (!rows) return -4;
-    int nrows = 0;
+    return total == N ? 0 : -2;
+}
+
+/* rows[0, n) = the rows t < M with slot[t] >= 0, in order; returns n, or -3 for a rank outside [0, R]. */
+static int adapter_rows(const int64_t *slot, const int64_t *rank, int M, int R, int64_t *rows) {
+    int n = 0;
     for (int t = 0; t < M; t++) {
         if (slot[t] < 0) continue;
-        if (rank[t] < 0 || rank[t] > R) { free(rows); return -3; }
-        rows[nrows++] = t;
+        if (rank[t] < 0 || rank[t] > R) return -3;
+        rows[n++] = t;
     }
+    return n;
+}
+
+static job make_job(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y, int64_t ys, int M, int K, int N,
+                    const int64_t *rows, int nrows, const int64_t *slot, const int64_t *rank, const uint16_t *a,
+                    int64_t a_slot_stride, int G, const uint16_t *const *b, const int64_t *b_slot_stride,
+                    const int64_t *out, uint32_t *vp, int64_t vp_stride) {
     job j = {x, p, y, xs, ys, M, K, N, (N + NB - 1) / NB, (M + MC - 1) / MC, 0, rows, nrows, a, a_slot_stride,
              {slot, rank, vp, vp_stride, G, b, b_slot_stride, out}, vp, vp_stride, 0};
     j.mc = ((M + j.mblocks - 1) / j.mblocks + MR - 1) / MR * MR;
@@ -149,6 +154,33 @@ int gemm_lora_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y
     j.split = (int)(a_share * j.nblocks + 0.5);
     if (j.split < 1) j.split = j.nblocks > 1 ? 1 : 0;
     if (j.split >= j.nblocks) j.split = j.nblocks - 1;
+    return j;
+}
+
+/* The two phases, run by every thread of the enclosing parallel region (w: the thread's own walker). The
+ * caller waits for all threads (a barrier) before it reads y. */
+static void gemm_lora_run(const job *j, walker *w) {
+    phase(j, 0, j->split, 0, shrink_step, w);
+#pragma omp barrier
+    phase(j, j->split, j->nblocks, &j->l, expand_step, w);
+}
+
+/* x [M, K], y [M, N] (rows at strides xs, ys), p: packed W; slot, rank: [M] (slot -1: no adapter); a, b,
+ * out as above; v: [M] rows of >= R * G fp32 at v_stride (scratch). 0, -1 odd K, -2 outputs that are not
+ * multiples of 16 or do not add up to N, -3 a rank out of range, -4 out of memory. */
+int gemm_lora_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y, int64_t ys, int M, int K, int N,
+                   const int64_t *slot, const int64_t *rank, const uint16_t *a, int64_t a_slot_stride, int R, int G,
+                   const uint16_t *const *b, const int64_t *b_slot_stride, const int64_t *out, uint32_t *vp,
+                   int64_t vp_stride) {
+    const int bad = check_shapes(K, N, R, G, out);
+    if (bad) return bad;
+    if (M <= 0) return 0;
+    int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * M);
+    if (!rows) return -4;
+    const int nrows = adapter_rows(slot, rank, M, R, rows);
+    if (nrows < 0) { free(rows); return nrows; }
+    const job j = make_job(x, xs, p, y, ys, M, K, N, rows, nrows, slot, rank, a, a_slot_stride, G, b, b_slot_stride,
+                           out, vp, vp_stride);
     int failed = 0;
 #pragma omp parallel
     {
@@ -158,11 +190,7 @@ int gemm_lora_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y
             failed = 1;
         }
 #pragma omp barrier
-        if (!failed) {
-            phase(&j, 0, j.split, 0, shrink_step, w);
-#pragma omp barrier
-            phase(&j, j.split, j.nblocks, &j.l, expand_step, w);
-        }
+        if (!failed) gemm_lora_run(&j, w);
         free(w);
     }
     free(rows);
