@@ -22,6 +22,7 @@ import torch
 
 from engine.lora.slots import GROUPS, LoraSlots
 from kernels.cpu import lora as c_lora
+from kernels.cpu.decoder import DecoderLora
 from kernels.cpu.gemm import GemmLora
 
 BUCKET_LIMITS = (1, 8)
@@ -108,9 +109,15 @@ class LoraBatch:
         buckets = [_bucket(g, per_slot) for g in groups.values()]
         return cls(slots, buckets, decode, rank, modules, fused_rows=fused_rows)
 
-    def fused_only(self) -> bool:
-        return (self.fused_rows is not None and self.segments is None and not self.buckets
-                and all(self.weights(0, g).fusable for g in self.groups))
+    def for_decoder(self) -> DecoderLora | None:
+        # decode tokens inside the GEMMs, prefill tokens by segment: the C decoder runs both
+        if self.buckets or (self.decode is not None and self.fused_rows is None):
+            return None
+        if not all(self.weights(0, g).paired and self.weights(0, g).fusable for g in self.groups):
+            return None
+        rows = self.fused_rows
+        return DecoderLora(rows.row_slot if rows else None, rows.row_rank if rows else None, self.segments,
+                           lambda layer, group: self.weights(layer, group) if group in self.groups else None)
 
     def fused(self, layer: int, group: str) -> GemmLora | None:
         """The decode tokens' LoRA for a C base GEMM to compute itself (c_gemm.GemmLora), or None; after

@@ -17,7 +17,7 @@ from engine.model.linear import Linear
 from engine.model.rope import Rope
 from engine.model.weights import LlamaWeights
 from kernels.cpu import elementwise
-from kernels.cpu.decoder import Decoder
+from kernels.cpu.decoder import Decoder, DecoderLora
 from kernels.cpu.gemm import GemmLora
 
 
@@ -25,8 +25,8 @@ class LoraHook(Protocol):
     def fused(self, layer: int, group: str) -> GemmLora | None:
         """Deltas a C base GEMM can add itself (some tokens'), or None."""
 
-    def fused_only(self) -> bool:
-        """Whether fused() covers every delta of the step (apply(..., fused=True) would add nothing)."""
+    def for_decoder(self) -> DecoderLora | None:
+        """The step's adapters for the one-call C decoder, or None when some delta needs the Python path."""
 
     def apply(self, layer: int, group: str, x: torch.Tensor, y: torch.Tensor, fused: bool = False) -> None:
         """Add the adapters' deltas in place: y[t] += lora_{group}(x[t]) for every token t (but those of
@@ -119,9 +119,10 @@ class LlamaModel:
         cfg, ops = self.cfg, self.ops
         x = F.embedding(input_ids, self.w.embed)                     # [T, H], the residual stream
         cos, sin = self.rope.cos[positions], self.rope.sin[positions]   # [T, head_dim]
-        decoder = self.decoder(kv_caches) if meta.paired and (lora is None or lora.fused_only()) else None
+        dl = lora.for_decoder() if lora is not None and meta.paired else None
+        decoder = self.decoder(kv_caches) if meta.paired and (lora is None or dl is not None) else None
         if decoder is not None:
-            x += decoder.run(x, cos, sin, meta, lora)     # _layers' loop in one C call: the same bits
+            x += decoder.run(x, cos, sin, meta, dl)     # _layers' loop in one C call: the same bits
         else:
             self._layers(x, cos, sin, meta, kv_caches, lora)
         if hidden_indices is not None:

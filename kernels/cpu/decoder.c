@@ -1,7 +1,7 @@
 /* Every decoder layer of a Llama model over one step's T tokens, in one call and one OpenMP parallel region
  * (AVX512-BF16, bf16, the paired KV layout): the layer loop of engine/model/llama.py without its ~10
  * Python-to-C calls and parallel regions per layer. Each stage is the same kernel body the separate
- * calls run (a unity build of gemm.c, gemm_lora.c, elementwise.c and paired_attention.c), and the stages are separated
+ * calls run (a unity build of gemm.c, gemm_lora.c, lora_decode.c, elementwise.c and paired_attention.c), and the stages are separated
  * by barriers, so the result has exactly the bits of the per-op path. Per layer:
  *
  *   qkv = h @ Wqkv^T; rope(q, k); K/V -> cache; attn = attention(q); o = attn @ Wo^T;
@@ -13,11 +13,13 @@
  * contiguous. cos, sin [T, d]; pages, offs [T] (the tokens' K/V slots); tables [T, max_blocks], lens [T]
  * (every token is one query row over its own prefix, as paired_attention_bf16 takes them).
  *
- * With `lora`, each projection group that has one computes its rows' multi-LoRA inside the GEMM, as
- * gemm_lora_bf16 does (decode steps whose every adapter delta the GEMMs compute: LoraBatch.fused_only).
+ * With `lora`, each projection group that has one computes the multi-LoRA of the rows with a slot inside
+ * the GEMM, as gemm_lora_bf16 does (decode tokens), then adds the segments' deltas, as lora_segments_bf16
+ * does (prefill tokens grouped by adapter): the order of the op-by-op path (LlamaModel._layers).
  */
 #include "gemm.c"
 #include "gemm_lora.c"
+#include "lora_decode.c"
 #include "elementwise.c"
 #include "paired_attention.c"
 
@@ -47,9 +49,11 @@ typedef struct {
     const uint16_t *cos, *sin;
     const int64_t *pages, *offs, *tables, *lens;
     const decoder_lora *lora;                   /* [num_layers][NGROUPS], or NULL: no adapter in the step */
-    const int64_t *slot, *rank;                 /* [T] each row's LoRA slot (-1: none) and rank */
+    const int64_t *slot, *rank;                 /* [T] each row's LoRA slot in the GEMM (-1: none) and rank */
     uint32_t *vp;                               /* [T, vp_stride] scratch (the shrinks' results) */
     int64_t vp_stride;
+    const int64_t *seg_tok, *seg_start, *seg_slot, *seg_rank;   /* lora_segments_bf16's segments */
+    int n_seg;
 } decoder_args;
 
 /* What one thread needs besides the arguments: the rows with an adapter, its prefetch walker. */
@@ -57,6 +61,8 @@ typedef struct {
     const int64_t *rows;
     int nrows;
     walker *w;
+    int64_t tasks;                              /* the segments' tasks (segment_tasks) */
+    const int64_t *task_seg;
 } step_state;
 
 #if defined(__AVX512BF16__)
@@ -67,12 +73,15 @@ static void project(const decoder_args *a, const step_state *st, int l, int g, c
     const decoder_lora *lo = a->lora ? a->lora + (int64_t)l * NGROUPS + g : 0;
     if (!lo || !lo->a || st->nrows == 0) {
         gemm_for(x, K, p, y, N, a->T, K, N);
-        return;
-    }
-    const job j = make_job(x, K, p, y, N, a->T, K, N, st->rows, st->nrows, a->slot, a->rank, lo->a,
-                           lo->a_slot_stride, lo->G, lo->b, lo->b_slot_stride, lo->out, a->vp, a->vp_stride);
-    gemm_lora_run(&j, st->w);
+    } else {
+        const job j = make_job(x, K, p, y, N, a->T, K, N, st->rows, st->nrows, a->slot, a->rank, lo->a,
+                               lo->a_slot_stride, lo->G, lo->b, lo->b_slot_stride, lo->out, a->vp, a->vp_stride);
+        gemm_lora_run(&j, st->w);
 #pragma omp barrier
+    }
+    if (lo && lo->a && st->tasks > 0)
+        segments_for(x, K, y, N, a->seg_tok, a->seg_start, a->seg_slot, a->seg_rank, lo->a, lo->a_slot_stride, lo->G,
+                     K, lo->b, lo->b_slot_stride, lo->out, st->tasks, st->task_seg);
 }
 
 /* One layer, run by every thread of the region; returns this thread's attention status (0 or -2). */
@@ -107,7 +116,8 @@ static int check_lora(const decoder_args *a, int *max_rank) {
             if (!lo->a) continue;
             const int bad = check_shapes(K[g], N[g], lo->R, lo->G, lo->out);
             if (bad) return bad;
-            if ((int64_t)(lo->R + 1) / 2 * lo->G > a->vp_stride) return -1;
+            if (K[g] > MAX_IN) return -1;
+            if (a->slot && (int64_t)(lo->R + 1) / 2 * lo->G > a->vp_stride) return -1;
             if (lo->R > *max_rank) *max_rank = lo->R;
         }
     return 0;
@@ -126,13 +136,16 @@ int decoder_layers_bf16(const decoder_args *a) {
     int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * a->T);
     walker *walkers = (walker *)malloc(sizeof(walker) * omp_get_max_threads());
     if (!rows || !walkers) { free(rows); free(walkers); return -4; }
-    const int nrows = a->lora ? adapter_rows(a->slot, a->rank, a->T, max_rank, rows) : 0;
-    if (nrows < 0) { free(rows); free(walkers); return nrows; }
+    const int nrows = a->lora && a->slot ? adapter_rows(a->slot, a->rank, a->T, max_rank, rows) : 0;
+    int64_t tasks = 0, *task_seg = NULL;
+    const int seg_rc = a->lora && a->n_seg > 0 ? segment_tasks(a->seg_start, a->seg_rank, a->n_seg, max_rank, TT,
+                                                              &tasks, &task_seg) : 0;
+    if (nrows < 0 || seg_rc) { free(rows); free(walkers); return nrows < 0 ? nrows : seg_rc; }
     int failed = 0;
 #pragma omp parallel
     {
         const int t = omp_get_thread_num(), nth = omp_get_num_threads();
-        const step_state st = {rows, nrows, walkers + t};
+        const step_state st = {rows, nrows, walkers + t, tasks, task_seg};
         rms_norm_for_bf16(a->x, a->H, a->layers[0].input_norm, a->h, a->H, a->T, a->H, a->eps);
         for (int l = 0; l < a->num_layers; l++) {
             const int rc = layer(a, &st, l, t, nth);
@@ -144,6 +157,7 @@ int decoder_layers_bf16(const decoder_args *a) {
     }
     free(rows);
     free(walkers);
+    free(task_seg);
     return failed;
 }
 #else

@@ -3,17 +3,20 @@ the C GEMM, the paired KV layout). The same kernels in the same order as the per
 engine/model/llama.py, so the same bits, without its Python and per-op parallel regions between them
 (about 10 calls a layer; on a 64-row decode step, ~3 ms of Python per step on the hosts measured).
 
-The model uses it for steps with no adapter, and for steps whose every adapter delta the base GEMMs
-compute themselves (decode tokens, gemm_lora.c); other steps' LoRA deltas are added between the ops, in
-Python.
+The model uses it for every step the C LoRA kernels cover: decode tokens' adapters inside the base GEMMs
+(gemm_lora.c), prefill tokens' by segment (lora_segments_bf16), in the op-by-op path's order. Other
+steps (the torch LoRA path) add their deltas between the ops, in Python.
 """
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from kernels.cpu import gemm as c_gemm
+from kernels.cpu import lora as c_lora
 from kernels.cpu.build import has_avx512_bf16, load_functions
 
 class _Layer(ctypes.Structure):
@@ -33,7 +36,22 @@ class _Args(ctypes.Structure):
                 + [(n, ctypes.c_void_p) for n in ("x", "h", "qkv", "attn", "o", "gate_up", "act", "down", "cos",
                                                   "sin", "pages", "offs", "tables", "lens", "lora", "slot", "rank",
                                                   "vp")]
-                + [("vp_stride", ctypes.c_int64)])
+                + [("vp_stride", ctypes.c_int64)]
+                + [(n, ctypes.c_void_p) for n in ("seg_tok", "seg_start", "seg_slot", "seg_rank")]
+                + [("n_seg", ctypes.c_int)])
+
+
+@dataclass
+class DecoderLora:
+    """A step's adapters as the C decoder applies them, in the op-by-op path's order: per projection group,
+    the rows with a slot inside the GEMM (gemm_lora.c: row_slot, row_rank [T] int64, -1 for none; or None),
+    then the segments' deltas (lora_segments_bf16: prefill tokens grouped by adapter; or None).
+    weights(layer, group) -> that group's slot weights (lora.Weights, paired B), or None: no adapter of
+    the step targets it."""
+    row_slot: torch.Tensor | None
+    row_rank: torch.Tensor | None
+    segments: c_lora.LoraSegments | None
+    weights: Callable[[int, str], c_lora.Weights | None]
 
 
 GROUPS = ("qkv", "o", "gate_up", "down")   # decoder.c's order of a layer's projection groups
@@ -52,7 +70,7 @@ def _fn():
 
 class Decoder:
     """The decoder layers of one model over one KV pool: run(x, ...) is the layer loop of LlamaModel.forward
-    for a step with no adapter, or whose adapters the GEMMs apply. Build with Decoder.create (None where this host or model cannot)."""
+    for a step with no adapter or with a DecoderLora. Build with Decoder.create (None where this host or model cannot)."""
 
     def __init__(self, cfg, layers, kv_caches):
         self.cfg = cfg
@@ -79,42 +97,47 @@ class Decoder:
                 return None
         return cls(cfg, layers, kv_caches)
 
-    def _lora_struct(self, gl: c_gemm.GemmLora) -> _Lora:
-        """The C view of one group's LoRA weights (the slots' buffers: built once per group)."""
-        hit = self._lora_structs.get(id(gl.owner))
+    def _lora_struct(self, w: c_lora.Weights) -> _Lora:
+        """The C view of one group's slot weights (the slots' buffers: built once per group)."""
+        hit = self._lora_structs.get(id(w))
         if hit is None:
-            _, r, g, _ = gl.a.shape
-            st = _Lora(gl.a.data_ptr(), gl.a.stride(0), r, g, ctypes.addressof(gl.b_ptrs),
-                       ctypes.addressof(gl.b_strides), ctypes.addressof(gl.outs))
-            hit = self._lora_structs[id(gl.owner)] = (gl.owner, st)
+            assert w.paired and w.a.dtype == torch.bfloat16
+            st = _Lora(w.a.data_ptr(), w.a.stride(0), w.max_rank, w.groups, ctypes.addressof(w.b_ptrs),
+                       ctypes.addressof(w.b_strides), ctypes.addressof(w.outs))
+            hit = self._lora_structs[id(w)] = (w, st)
         return hit[1]
 
-    def _lora_args(self, lora, t: int) -> tuple:
-        """(descriptors [L][4], slot, rank, vp scratch, vp stride, what keeps them alive) for a step whose
-        every adapter delta the GEMMs compute (LoraHook.fused_only)."""
+    def _set_lora(self, args: _Args, lora: DecoderLora, t: int) -> list:
+        """Fill args' LoRA fields; returns what must stay alive during the call."""
         descs = (_Lora * (self.num_layers * len(GROUPS)))()
-        slot = rank = None
         width = 1
         for layer in range(self.num_layers):
             for j, group in enumerate(GROUPS):
-                gl = lora.fused(layer, group)
-                if gl is None:
-                    continue
-                descs[layer * len(GROUPS) + j] = self._lora_struct(gl)
-                slot, rank = gl.slot, gl.rank
-                width = max(width, (gl.a.shape[1] + 1) // 2 * gl.a.shape[2])
-        if slot is None:
-            return None
-        assert slot.shape == rank.shape == (t,) and slot.dtype == rank.dtype == torch.int64
-        vp = torch.empty(t, width, dtype=torch.int32)
-        return descs, slot, rank, vp, width
+                w = lora.weights(layer, group)
+                if w is not None:
+                    descs[layer * len(GROUPS) + j] = self._lora_struct(w)
+                    width = max(width, (w.max_rank + 1) // 2 * w.groups)
+        keep = [descs]
+        args.lora = ctypes.addressof(descs)
+        if lora.row_slot is not None:
+            slot, rank = lora.row_slot, lora.row_rank
+            assert slot.shape == rank.shape == (t,) and slot.dtype == rank.dtype == torch.int64
+            assert slot.is_contiguous() and rank.is_contiguous()
+            vp = torch.empty(t, width, dtype=torch.int32)
+            args.slot, args.rank, args.vp, args.vp_stride = slot.data_ptr(), rank.data_ptr(), vp.data_ptr(), width
+            keep += [slot, rank, vp]
+        seg = lora.segments
+        if seg is not None and seg.n:
+            args.seg_tok, args.seg_start = seg.tokens.data_ptr(), seg.starts.data_ptr()
+            args.seg_slot, args.seg_rank, args.n_seg = seg.slots.data_ptr(), seg.ranks.data_ptr(), seg.n
+            keep.append(seg)
+        return keep
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, lora=None) -> torch.Tensor:
         """x: [T, H] bf16 contiguous (the embeddings), updated in place to the residual stream after the last
         layer's attention and MLP but before its residual add, which is returned ([T, H]: the caller adds it,
         as the layer loop does). cos, sin: [T, d]; meta: the step's AttentionMetadata (paired: every token a
-        row of decode_block_tables / decode_lens). lora: a LoraHook whose every delta the GEMMs compute
-        (fused_only()), or None."""
+        row of decode_block_tables / decode_lens). lora: the step's adapters (None: none)."""
         cfg = self.cfg
         t, hdim = x.shape
         assert x.is_contiguous() and x.dtype == torch.bfloat16 and hdim == cfg.hidden_size
@@ -135,12 +158,7 @@ class Decoder:
                      ctypes.addressof(self.layers), x.data_ptr(), *(b.data_ptr() for b in bufs.values()),
                      cos.data_ptr(), sin.data_ptr(), pages.data_ptr(), offs.data_ptr(), tables.data_ptr(),
                      lens.data_ptr())
-        la = self._lora_args(lora, t) if lora is not None else None
-        if la is not None:
-            descs, slot, rank, vp, width = la
-            args.lora, args.slot, args.rank, args.vp = (ctypes.addressof(descs), slot.data_ptr(), rank.data_ptr(),
-                                                        vp.data_ptr())
-            args.vp_stride = width
+        keep = self._set_lora(args, lora, t) if lora is not None else None   # noqa: F841 (alive until the call returns)
         rc = _fn()(ctypes.addressof(args))
         if rc != 0:
             raise RuntimeError(f"decoder_layers_bf16 failed with code {rc}")

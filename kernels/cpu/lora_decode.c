@@ -216,16 +216,14 @@ static void expand_tile_bf16(const uint16_t *bs, int64_t o, int r, uint32_t vp[T
     }
 }
 
-int lora_segments_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const int64_t *tok,
-                       const int64_t *seg_start, const int64_t *seg_slot, const int64_t *seg_rank, int n_seg,
-                       const uint16_t *a, int64_t a_slot_stride, int R, int G, int in, const uint16_t *const *b,
-                       const int64_t *b_slot_stride, const int64_t *out) {
-    if (G > MAX_GROUPS || R * G > MAX_RANK_ROWS || in > MAX_IN) return -1;
-    int64_t tasks = 0, *task_seg = NULL;
-    const int rc = segment_tasks(seg_start, seg_rank, n_seg, R, TT, &tasks, &task_seg);
-    if (rc) return rc;
+/* The body of lora_segments_bf16 over segment_tasks' tasks: a work-shared loop (decoder.c runs it inside
+ * its own parallel region). */
+static void segments_for(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const int64_t *tok,
+                         const int64_t *seg_start, const int64_t *seg_slot, const int64_t *seg_rank,
+                         const uint16_t *a, int64_t a_slot_stride, int G, int in, const uint16_t *const *b,
+                         const int64_t *b_slot_stride, const int64_t *out, int64_t tasks, const int64_t *task_seg) {
     const int64_t *task_first = task_seg + tasks + 1;
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
     for (int64_t task = 0; task < tasks; task++) {
         const int64_t i = task_seg[task], first = task_first[task];
         const int nt = (int)(seg_start[i + 1] - first < TT ? seg_start[i + 1] - first : TT);
@@ -250,6 +248,19 @@ int lora_segments_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t
             col += out[g];
         }
     }
+}
+
+int lora_segments_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const int64_t *tok,
+                       const int64_t *seg_start, const int64_t *seg_slot, const int64_t *seg_rank, int n_seg,
+                       const uint16_t *a, int64_t a_slot_stride, int R, int G, int in, const uint16_t *const *b,
+                       const int64_t *b_slot_stride, const int64_t *out) {
+    if (G > MAX_GROUPS || R * G > MAX_RANK_ROWS || in > MAX_IN) return -1;
+    int64_t tasks = 0, *task_seg = NULL;
+    const int rc = segment_tasks(seg_start, seg_rank, n_seg, R, TT, &tasks, &task_seg);
+    if (rc) return rc;
+#pragma omp parallel
+    segments_for(x, x_stride, y, y_stride, tok, seg_start, seg_slot, seg_rank, a, a_slot_stride, G, in, b,
+                 b_slot_stride, out, tasks, task_seg);
     free(task_seg);
     return 0;
 }

@@ -1,8 +1,9 @@
 """The one-call C decoder (kernels/cpu/decoder.c) gives exactly the bits of the op-by-op layer loop, over
-chunked prefill, mixed prefill and decode steps, prompt logprobs, and adapters."""
+chunked prefill, mixed prefill and decode steps, prompt logprobs, and adapters (decode and prefill)."""
 import pytest
 
 from engine.llm import LLM
+from engine.model.llama import LlamaModel
 from engine.sampling_params import SamplingParams
 from kernels.cpu.decoder import Decoder
 from tests.peft_adapters import FIDELITY_ADAPTERS
@@ -19,13 +20,19 @@ def llm():
 
 @pytest.fixture
 def calls(monkeypatch):
-    count = {"runs": 0}
-    run = Decoder.run
+    """How many steps ran in the C decoder ("runs") and op by op ("loops")."""
+    count = {"runs": 0, "loops": 0}
+    run, loop = Decoder.run, LlamaModel._layers
 
-    def counted(self, *args):
+    def counted_run(self, *args):
         count["runs"] += 1
         return run(self, *args)
-    monkeypatch.setattr(Decoder, "run", counted)
+
+    def counted_loop(self, *args):
+        count["loops"] += 1
+        return loop(self, *args)
+    monkeypatch.setattr(Decoder, "run", counted_run)
+    monkeypatch.setattr(LlamaModel, "_layers", counted_loop)
     return count
 
 
@@ -43,15 +50,15 @@ def _generate(llm, on: bool, adapter=None):
 
 def test_same_bits_as_the_op_by_op_loop(llm, calls):
     fused = _generate(llm, True)
-    assert calls["runs"] > 0
+    assert calls["runs"] > 0 and calls["loops"] == 0
     runs = calls["runs"]
     assert _generate(llm, False) == fused         # token ids and every logprob, bit for bit
-    assert calls["runs"] == runs                  # the second run did not use it
+    assert calls["runs"] == runs and calls["loops"] == runs   # the second run did not use it
 
 
 def test_same_bits_with_adapters(llm, adapter_dir, calls):
-    """Decode steps whose adapters the GEMMs apply (gemm_lora.c) run in the C decoder too; steps with
-    prefill tokens of an adapter keep the op-by-op path: both give the op-by-op bits."""
+    """Steps with adapters run in the C decoder too (decode tokens' LoRA inside the GEMMs, prefill
+    tokens' by segment): the op-by-op bits, with several adapters and base-model rows in one batch."""
     d, _ = adapter_dir
     names = list(FIDELITY_ADAPTERS)[:3]
     for name in names:
@@ -60,6 +67,6 @@ def test_same_bits_with_adapters(llm, adapter_dir, calls):
     adapters = [names[0], None, names[1], names[2], names[0]]
     fused = _generate(llm, True, adapter=adapters)
     runs = calls["runs"]
-    assert runs > 0
+    assert runs > 0 and calls["loops"] == 0
     assert _generate(llm, False, adapter=adapters) == fused
-    assert calls["runs"] == runs
+    assert calls["runs"] == runs and calls["loops"] > 0
