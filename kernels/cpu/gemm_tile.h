@@ -51,8 +51,10 @@ static inline const uint16_t *pair_base(const lora_args *l, const col_map *cm, i
     return l->b[g] + s * l->b_slot_stride[g] + 2 * (int64_t)cm->off[j];
 }
 
-/* acc rows [0, mr) x columns [c0, c0 + ncols) (fp32, row stride NB) += the LoRA deltas of those rows, on
- * vdpbf16ps: one instruction adds two ranks into 16 columns */
+/* acc rows [0, mr) x columns [c0, c0 + ncols) (fp32, row stride NB) <- bf16(acc) + the LoRA deltas of those
+ * rows, on vdpbf16ps (one instruction adds two ranks into 16 columns): the base rounded first and the
+ * delta summed in lora_bf16.h's order (expand_pairs_bf16), so the tile's final rounding gives the bits of
+ * the GEMM followed by a separate LoRA kernel. */
 static inline void lora_epilogue(const lora_args *l, const col_map *cm, int64_t m, int mr, int ncols, float *acc) {
     for (int r = 0; r < mr; r++) {
         const int64_t s = l->slot[m + r];
@@ -64,7 +66,7 @@ static inline void lora_epilogue(const lora_args *l, const col_map *cm, int64_t 
             const int64_t step = 2 * l->out[g];
             const uint16_t *bp = pair_base(l, cm, s, j);
             const uint32_t *vg = vp + g;
-            __m512 a0 = _mm512_loadu_ps(acc + r * NB + 16 * j), a1 = _mm512_setzero_ps();
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0;
             int kk = 0;
             for (; kk + 2 <= P; kk += 2, bp += 2 * step) {   /* two chains: half the latency */
                 a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(bp), (__m512bh)_mm512_set1_epi32((int)vg[kk * G]));
@@ -72,7 +74,8 @@ static inline void lora_epilogue(const lora_args *l, const col_map *cm, int64_t 
             }
             if (kk < P)
                 a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(bp), (__m512bh)_mm512_set1_epi32((int)vg[kk * G]));
-            _mm512_storeu_ps(acc + r * NB + 16 * j, _mm512_add_ps(a0, a1));
+            const __m512 base = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + r * NB + 16 * j)));
+            _mm512_storeu_ps(acc + r * NB + 16 * j, _mm512_add_ps(base, _mm512_add_ps(a0, a1)));
         }
     }
 }

@@ -189,18 +189,19 @@ static void expand_tile_bf16(const uint16_t *bs, int64_t o, int r, uint32_t vp[T
     const int P = (r + 1) / 2;
     for (int64_t j = 0; j < o; j += 32) {
         const __mmask32 m0 = pair_mask(o - j), m1 = pair_mask(o - j - 16);
-        __m512 e[TT], d[TT];
+        __m512 e[2][TT], d[2][TT];   /* [even / odd rank pair]: expand_pairs_bf16's two chains */
 #pragma GCC unroll 4
-        for (int tt = 0; tt < TT; tt++) e[tt] = d[tt] = _mm512_setzero_ps();
+        for (int tt = 0; tt < TT; tt++) e[0][tt] = d[0][tt] = e[1][tt] = d[1][tt] = _mm512_setzero_ps();
         const uint16_t *bp = bs + 2 * j;
         for (int kk = 0; kk < P; kk++, bp += 2 * o) {
             _mm_prefetch((const char *)(bp + 4 * o), _MM_HINT_T0);      /* two pair rows ahead */
             const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(m0, bp), w1 = (__m512bh)_mm512_maskz_loadu_epi16(m1, bp + 32);
+            const int c = kk & 1;
 #pragma GCC unroll 4
             for (int tt = 0; tt < TT; tt++) {
                 const __m512bh vk = (__m512bh)_mm512_set1_epi32((int)vp[tt][kk * G + g]);
-                e[tt] = _mm512_dpbf16_ps(e[tt], w0, vk);
-                d[tt] = _mm512_dpbf16_ps(d[tt], w1, vk);
+                e[c][tt] = _mm512_dpbf16_ps(e[c][tt], w0, vk);
+                d[c][tt] = _mm512_dpbf16_ps(d[c][tt], w1, vk);
             }
         }
         const __mmask16 y0 = mask16(o - j), y1 = mask16(o - j - 16);
@@ -210,8 +211,8 @@ static void expand_tile_bf16(const uint16_t *bs, int64_t o, int r, uint32_t vp[T
             uint16_t *yt = ys[tt] + j;
             const __m512 a0 = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(y0, yt));
             const __m512 a1 = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(y1, yt + 16));
-            _mm256_mask_storeu_epi16(yt, y0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a0, e[tt])));
-            _mm256_mask_storeu_epi16(yt + 16, y1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a1, d[tt])));
+            _mm256_mask_storeu_epi16(yt, y0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a0, _mm512_add_ps(e[0][tt], e[1][tt]))));
+            _mm256_mask_storeu_epi16(yt + 16, y1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a1, _mm512_add_ps(d[0][tt], d[1][tt]))));
         }
     }
 }

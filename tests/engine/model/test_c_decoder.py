@@ -38,7 +38,8 @@ def calls(monkeypatch):
 
 def _generate(llm, on: bool, adapter=None):
     llm.engine.runner.model.use_c_decoder = on
-    prompts = [list(range(200, 200 + n)) for n in (3, 17, 40, 90)] + ["The capital of France is"]
+    prompts = [list(range(200 + 7 * i, 200 + 7 * i + n)) for i, n in enumerate((3, 17, 40, 90, 5, 33, 61, 12, 26))]
+    prompts.append("The capital of France is")
     params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True, logprobs=3, prompt_logprobs=2)
               for i in range(len(prompts))]
     try:
@@ -60,11 +61,11 @@ def test_same_bits_with_adapters(llm, adapter_dir, calls):
     """Steps with adapters run in the C decoder too (decode tokens' LoRA inside the GEMMs, prefill
     tokens' by segment): the op-by-op bits, with several adapters and base-model rows in one batch."""
     d, _ = adapter_dir
-    names = list(FIDELITY_ADAPTERS)[:3]
+    names = list(FIDELITY_ADAPTERS)     # ranks 4-64, different targets, rank and alpha patterns, some layers
     for name in names:
         if name not in llm.engine.adapters.names():
             llm.register_adapter(name, str(d / name))
-    adapters = [names[0], None, names[1], names[2], names[0]]
+    adapters = names[:5] + [None] + names[5:] + [names[0]]
     fused = _generate(llm, True, adapter=adapters)
     runs = calls["runs"]
     assert runs > 0 and calls["loops"] == 0

@@ -69,3 +69,32 @@ def test_outputs_must_be_whole_vectors():
     assert not weights.fusable
     with pytest.raises(AssertionError):
         c_lora.LoraRows(torch.tensor([0]), torch.tensor([0]), torch.tensor([4]), 1)(weights)
+
+
+@pytest.mark.parametrize("slots,rank,n_in,outs,m", [(6, 16, 576, [576, 192, 192], 20), (5, 12, 1536, [576], 9),
+                                                    (4, 8, 576, [1536, 1536], 13), (3, 5, 96, [32, 16, 16], 6)])
+def test_a_token_gets_the_same_bits_on_every_lora_path(slots, rank, n_in, outs, m):
+    """Inside the GEMM (decode tokens), after it per token (the decode kernel), or in a prefill segment:
+    the same bits, so a token's output does not depend on how the scheduler chunked its prompt (a
+    one-token chunk runs as a decode token). Ranks not multiples of 16 or of 2 included."""
+    a, bs, w, x, tokens, row_slots, ranks = case(slots, rank, n_in, outs, m, seed=5)
+    weights, lin = c_lora.Weights.of(a, bs), gemm.Gemm(w)
+    fused = lin(x, c_lora.LoraRows(tokens, row_slots, ranks, m)(weights))
+    per_token = lin(x)
+    c_lora.LoraDecode(tokens, row_slots, ranks, torch.bfloat16)(x, per_token, weights)
+    assert torch.equal(fused, per_token)
+    if c_lora.supports_segments(torch.bfloat16):
+        segments = lin(x)
+        for t, s, r in zip(tokens.tolist(), row_slots.tolist(), ranks.tolist()):   # one segment per token
+            c_lora.LoraSegments(torch.tensor([t]), torch.tensor([0, 1]), torch.tensor([s]), torch.tensor([r]),
+                                torch.bfloat16)(x, segments, weights)
+        assert torch.equal(segments, per_token)
+        order = torch.argsort(row_slots, stable=True)                             # and grouped by adapter
+        seg_slots, counts = torch.unique_consecutive(row_slots[order], return_counts=True)
+        starts = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+        grouped = lin(x)
+        same_rank = torch.full_like(seg_slots, rank)
+        toks = tokens[order]
+        c_lora.LoraSegments(toks, starts, seg_slots, same_rank, torch.bfloat16)(x, grouped, weights)
+        full = lin(x, c_lora.LoraRows(toks, row_slots[order], torch.full_like(toks, rank), m)(weights))
+        assert torch.equal(grouped, full)
