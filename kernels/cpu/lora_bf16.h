@@ -14,32 +14,40 @@
 
 static inline __mmask32 mask32(int64_t left) { return left >= 32 ? 0xffffffffu : (__mmask32)((1ull << left) - 1); }
 
-/* v[0, n) = A[0, n) . x for n <= 16: 16 independent dot products (16 vdpbf16ps chains per x load hide its
- * latency; rows past n repeat row n - 1), reduced together by sum16's transpose-add tree. Every row's sum
- * is one chain over x's 32-element chunks from zero, then sum16's order: the segment kernel
- * (lora_decode.c's shrink_tile_bf16) computes each (token, row) the same way, so a token gets the same
- * bits whichever kernel runs it. */
-static inline void shrink16_bf16(const uint16_t *xt, const uint16_t *as, int n, int in, float *v) {
+/* v[0, 16) = A[0, 16) . x: 16 independent dot products (16 vdpbf16ps chains per x load hide its
+ * latency), reduced together by sum16's transpose-add tree. Every row's sum is one chain over x's
+ * 32-element chunks from zero, then sum16's order: the segment kernel (lora_decode.c's shrink_tile_bf16)
+ * computes each (token, row) the same way, so a token gets the same bits whichever kernel runs it. */
+static inline void shrink16_bf16(const uint16_t *xt, const uint16_t *as, int in, float *v) {
     __m512 d[16];
-    const uint16_t *ar[16];
-    for (int q = 0; q < 16; q++) {
-        d[q] = _mm512_setzero_ps();
-        ar[q] = as + (int64_t)(q < n ? q : n - 1) * in;
-    }
+    for (int q = 0; q < 16; q++) d[q] = _mm512_setzero_ps();
     for (int j = 0; j < in; j += 32) {
         const __mmask32 m = mask32(in - j);
         const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, xt + j);
         for (int q = 0; q < 16; q++)
-            d[q] = _mm512_dpbf16_ps(d[q], (__m512bh)_mm512_maskz_loadu_epi16(m, ar[q] + j), xv);
+            d[q] = _mm512_dpbf16_ps(d[q], (__m512bh)_mm512_maskz_loadu_epi16(m, as + q * (int64_t)in + j), xv);
     }
-    float sums[16];
-    _mm512_storeu_ps(sums, sum16(d));
-    for (int q = 0; q < n; q++) v[q] = sums[q];
+    _mm512_storeu_ps(v, sum16(d));
 }
 
+/* v[0, rows) = A[0, rows) . x, 16 rows at a time, the last rows one chain each, reduced by the same tree
+ * (lane 0 of sum16 over the chain and zeros: sum16 sums every vector in the same order). */
 static inline void shrink_bf16(const uint16_t *xt, const uint16_t *as, int rows, int in, float *v) {
-    for (int row = 0; row < rows; row += 16)
-        shrink16_bf16(xt, as + (int64_t)row * in, rows - row < 16 ? rows - row : 16, in, v + row);
+    int row = 0;
+    for (; row + 16 <= rows; row += 16) shrink16_bf16(xt, as + (int64_t)row * in, in, v + row);
+    for (; row < rows; row++) {
+        const uint16_t *ar = as + (int64_t)row * in;
+        __m512 d[16];
+        for (int q = 0; q < 16; q++) d[q] = _mm512_setzero_ps();
+        for (int j = 0; j < in; j += 32) {
+            const __mmask32 m = mask32(in - j);
+            d[0] = _mm512_dpbf16_ps(d[0], (__m512bh)_mm512_maskz_loadu_epi16(m, ar + j),
+                                    (__m512bh)_mm512_maskz_loadu_epi16(m, xt + j));
+        }
+        float sums[16];
+        _mm512_storeu_ps(sums, sum16(d));
+        v[row] = sums[0];
+    }
 }
 
 /* The paired B layout of the bf16 kernels: Bt [ceil(R / 2)][out][2], element (k, c) at (k / 2, c, k % 2), so
