@@ -119,9 +119,9 @@ class LlamaModel:
         cfg, ops = self.cfg, self.ops
         x = F.embedding(input_ids, self.w.embed)                     # [T, H], the residual stream
         cos, sin = self.rope.cos[positions], self.rope.sin[positions]   # [T, head_dim]
-        dl = lora.for_decoder() if lora is not None and meta.paired else None
-        decoder = self.decoder(kv_caches) if meta.paired and (lora is None or dl is not None) else None
-        if decoder is not None:
+        decoder = self.decoder(kv_caches) if meta.paired else None
+        dl = lora.for_decoder() if decoder is not None and lora is not None else None
+        if decoder is not None and (lora is None or dl is not None):
             x += decoder.run(x, cos, sin, meta, dl)     # _layers' loop in one C call: the same bits
         else:
             self._layers(x, cos, sin, meta, kv_caches, lora)

@@ -1,8 +1,9 @@
 /* Every decoder layer of a Llama model over one step's T tokens, in one call and one OpenMP parallel region
  * (AVX512-BF16, bf16, the paired KV layout): the layer loop of engine/model/llama.py without its ~10
  * Python-to-C calls and parallel regions per layer. Each stage is the same kernel body the separate
- * calls run (a unity build of gemm.c, gemm_lora.c, lora_decode.c, elementwise.c and paired_attention.c), and the stages are separated
- * by barriers, so the result has exactly the bits of the per-op path. Per layer:
+ * calls run (a unity build of gemm.c, gemm_lora.c, lora_decode.c, elementwise.c and paired_attention.c),
+ * and the stages are separated by barriers, so the result has exactly the bits of the per-op path. Per
+ * layer:
  *
  *   qkv = h @ Wqkv^T; rope(q, k); K/V -> cache; attn = attention(q); o = attn @ Wo^T;
  *   x += o, h = rms_norm(x); act = silu(gate) * up of h @ Wgate_up^T; down = act @ Wdown^T;
@@ -66,8 +67,9 @@ typedef struct {
 } step_state;
 
 #if defined(__AVX512BF16__)
-/* y [T, N] = x [T, K] @ W^T of projection group g of layer l, with its rows' LoRA inside when it has one
- * (gemm_lora.c); every thread of the region calls it, and it ends with all threads done. */
+/* y [T, N] = x [T, K] @ W^T of projection group g of layer l, with its decode rows' LoRA inside when the
+ * group has one (gemm_lora.c), then its segments' deltas (lora_segments_bf16's body); every thread of the
+ * region calls it, and it ends with all threads done. */
 static void project(const decoder_args *a, const step_state *st, int l, int g, const uint16_t *x, int K,
                     const uint16_t *p, uint16_t *y, int N) {
     const decoder_lora *lo = a->lora ? a->lora + (int64_t)l * NGROUPS + g : 0;

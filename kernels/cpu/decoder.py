@@ -19,6 +19,7 @@ from kernels.cpu import gemm as c_gemm
 from kernels.cpu import lora as c_lora
 from kernels.cpu.build import has_avx512_bf16, load_functions
 
+
 class _Layer(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in ("qkv", "o", "gate_up", "down", "input_norm", "post_norm",
                                                "k_cache", "v_cache")]
@@ -70,7 +71,8 @@ def _fn():
 
 class Decoder:
     """The decoder layers of one model over one KV pool: run(x, ...) is the layer loop of LlamaModel.forward
-    for a step with no adapter or with a DecoderLora. Build with Decoder.create (None where this host or model cannot)."""
+    for a step with no adapter or with a DecoderLora. Build with Decoder.create (None where this host or
+    model cannot)."""
 
     def __init__(self, cfg, layers, kv_caches):
         self.cfg = cfg
@@ -88,10 +90,9 @@ class Decoder:
         """cfg: the ModelConfig; layers: LayerWeights; kv_caches: the paired (K, V) views per layer."""
         if _fn() is None or cfg.dtype != torch.bfloat16 or kv_caches[0][0].dim() != 5:
             return None
-        nb = c_gemm.NB
         for w in layers:
-            for lin in (w.qkv, w.o, w.gate_up, w.down):
-                if lin.c is None or lin.c.fns.get("nb") != nb or lin.c.fns is not c_gemm.variant("avx512bf16"):
+            for lin in (w.qkv, w.o, w.gate_up, w.down):   # packed for gemm.c (not the AVX2 layout)
+                if lin.c is None or lin.c.fns is not c_gemm.variant("avx512bf16"):
                     return None
             if not (w.input_norm.is_contiguous() and w.post_norm.is_contiguous()):
                 return None
