@@ -30,8 +30,8 @@ static inline float silu(float a) {
 }
 
 #define DEFINE_OPS(SUFFIX, T, LOAD, STORE, ROUND)                                                            \
-static void rms_norm_for_##SUFFIX(const T *x, int64_t x_stride, const T *w, T *out, int64_t out_stride, int64_t rows,  \
-                       int H, float eps) {                                                                    \
+static void rms_norm_for_##SUFFIX(const T *x, int64_t x_stride, const T *w, T *out, int64_t out_stride,       \
+                                  int64_t rows, int H, float eps) {                                           \
     _Pragma("omp for schedule(static)")                                                                       \
     for (int64_t t = 0; t < rows; t++) {                                                                      \
         const T *xt = x + t * x_stride;                                                                       \
@@ -45,8 +45,8 @@ static void rms_norm_for_##SUFFIX(const T *x, int64_t x_stride, const T *w, T *o
     }                                                                                                         \
 }                                                                                                             \
                                                                                                               \
-static void add_rms_norm_for_##SUFFIX(T *x, int64_t x_stride, const T *d, int64_t d_stride, const T *w, T *out,             \
-                           int64_t out_stride, int64_t rows, int H, float eps) {                              \
+static void add_rms_norm_for_##SUFFIX(T *x, int64_t x_stride, const T *d, int64_t d_stride, const T *w,       \
+                                      T *out, int64_t out_stride, int64_t rows, int H, float eps) {           \
     _Pragma("omp for schedule(static)")                                                                       \
     for (int64_t t = 0; t < rows; t++) {                                                                      \
         T *xt = x + t * x_stride;                                                                             \
@@ -65,7 +65,8 @@ static void add_rms_norm_for_##SUFFIX(T *x, int64_t x_stride, const T *d, int64_
     }                                                                                                         \
 }                                                                                                             \
                                                                                                               \
-static void silu_mul_for_##SUFFIX(const T *gu, int64_t gu_stride, T *out, int64_t out_stride, int64_t rows, int I) {     \
+static void silu_mul_for_##SUFFIX(const T *gu, int64_t gu_stride, T *out, int64_t out_stride, int64_t rows,   \
+                                  int I) {                                                                    \
     _Pragma("omp for schedule(static)")                                                                       \
     for (int64_t t = 0; t < rows; t++) {                                                                      \
         const T *g = gu + t * gu_stride, *u = g + I;                                                          \
@@ -77,7 +78,8 @@ static void silu_mul_for_##SUFFIX(const T *gu, int64_t gu_stride, T *out, int64_
     }                                                                                                         \
 }                                                                                                             \
                                                                                                               \
-static void rope_for_##SUFFIX(T *x, int64_t row_stride, int64_t rows, int heads, int d, const T *cos, const T *sin) {   \
+static void rope_for_##SUFFIX(T *x, int64_t row_stride, int64_t rows, int heads, int d, const T *cos,         \
+                              const T *sin) {                                                                 \
     const int half = d / 2;                                                                                   \
     _Pragma("omp for schedule(static)")                                                                       \
     for (int64_t t = 0; t < rows; t++) {                                                                      \
@@ -94,14 +96,15 @@ static void rope_for_##SUFFIX(T *x, int64_t row_stride, int64_t rows, int heads,
         }                                                                                                     \
     }                                                                                                         \
 }                                                                                                             \
-/* the public ops: one parallel region each (decoder.c runs the _for bodies inside its own) */            \
-void rms_norm_##SUFFIX(const T *x, int64_t x_stride, const T *w, T *out, int64_t out_stride, int64_t rows, int H, \
-                       float eps) {                                                                           \
+/* the public ops: one parallel region each (decoder.c runs the _for bodies inside its own) */                \
+void rms_norm_##SUFFIX(const T *x, int64_t x_stride, const T *w, T *out, int64_t out_stride, int64_t rows,    \
+                       int H, float eps) {                                                                    \
     _Pragma("omp parallel") rms_norm_for_##SUFFIX(x, x_stride, w, out, out_stride, rows, H, eps);             \
 }                                                                                                             \
 void add_rms_norm_##SUFFIX(T *x, int64_t x_stride, const T *d, int64_t d_stride, const T *w, T *out,          \
                            int64_t out_stride, int64_t rows, int H, float eps) {                              \
-    _Pragma("omp parallel") add_rms_norm_for_##SUFFIX(x, x_stride, d, d_stride, w, out, out_stride, rows, H, eps); \
+    _Pragma("omp parallel")                                                                                   \
+    add_rms_norm_for_##SUFFIX(x, x_stride, d, d_stride, w, out, out_stride, rows, H, eps);                    \
 }                                                                                                             \
 void silu_mul_##SUFFIX(const T *gu, int64_t gu_stride, T *out, int64_t out_stride, int64_t rows, int I) {     \
     _Pragma("omp parallel") silu_mul_for_##SUFFIX(gu, gu_stride, out, out_stride, rows, I);                   \

@@ -154,9 +154,8 @@ int lora_decode_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y
  * y[t] += Bt[s]^T (A[s] x[t]) with each token computed on its own (no sums across tokens, so a token's
  * delta does not depend on the rest of the batch), 4 tokens at a time so that each weight vector loaded
  * serves 4 tokens: shrink in 4 tokens x 4 rows dot-product tiles (vdpbf16ps, reduced 16 at a time),
- * expand in 4 tokens x 32 columns register tiles (vdpbf16ps over the paired B layout).
- * Segment i covers tok[seg_start[i] .. seg_start[i + 1]) (rows of x and y), adapter slot seg_slot[i],
- * rank seg_rank[i] <= R; other arguments as lora_decode_bf16. */
+ * expand in 4 tokens x 32 columns register tiles (vdpbf16ps over the paired B layout); the arguments
+ * are lora_segments_bf16's (at the end of this file). */
 #define TT 4
 
 
@@ -251,18 +250,14 @@ static void segments_for(const uint16_t *x, int64_t x_stride, uint16_t *y, int64
     }
 }
 
-int lora_segments_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const int64_t *tok,
-                       const int64_t *seg_start, const int64_t *seg_slot, const int64_t *seg_rank, int n_seg,
-                       const uint16_t *a, int64_t a_slot_stride, int R, int G, int in, const uint16_t *const *b,
-                       const int64_t *b_slot_stride, const int64_t *out) {
-    if (G > MAX_GROUPS || R * G > MAX_RANK_ROWS || in > MAX_IN) return -1;
-    int64_t tasks = 0, *task_seg = NULL;
-    const int rc = segment_tasks(seg_start, seg_rank, n_seg, R, TT, &tasks, &task_seg);
-    if (rc) return rc;
+/* lora_segments_bf16's tasks (see segment_tasks) in a parallel region of their own: 0 */
+static int segments_run(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const int64_t *tok,
+                        const int64_t *seg_start, const int64_t *seg_slot, const int64_t *seg_rank,
+                        const uint16_t *a, int64_t a_slot_stride, int G, int in, const uint16_t *const *b,
+                        const int64_t *b_slot_stride, const int64_t *out, int64_t tasks, const int64_t *task_seg) {
 #pragma omp parallel
     segments_for(x, x_stride, y, y_stride, tok, seg_start, seg_slot, seg_rank, a, a_slot_stride, G, in, b,
                  b_slot_stride, out, tasks, task_seg);
-    free(task_seg);
     return 0;
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -315,19 +310,16 @@ int lora_decode_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y
     return failed ? -2 : 0;
 }
 
-/* Segments of tokens sharing an adapter (prefill), bf16 on AVX2 + FMA: arguments as lora_segments_bf16
- * (B plain). Each task is up to TT tokens of one segment: its shrink runs 4 tokens x 2 rows per pass
+/* Segments of tokens sharing an adapter (prefill), bf16 on AVX2 + FMA: lora_segments_bf16's tasks (B
+ * plain). Each task is up to TT tokens of one segment: its shrink runs 4 tokens x 2 rows per pass
  * (dot4x2; a task's last tokens 8 (token, row) pairs per dot8), so each A line loaded serves all its
  * tokens; its expand reads each B line once for all its tokens. Every token's result is the bits
- * lora_decode_bf16 gives it. Measured here: ~60 GFLOP/s, 1.5x the per-token kernel on the same tokens. */
-int lora_segments_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const int64_t *tok,
-                       const int64_t *seg_start, const int64_t *seg_slot, const int64_t *seg_rank, int n_seg,
-                       const uint16_t *a, int64_t a_slot_stride, int R, int G, int in, const uint16_t *const *b,
-                       const int64_t *b_slot_stride, const int64_t *out) {
-    if (G > MAX_GROUPS || R * G > MAX_RANK_ROWS || in > MAX_IN) return -1;
-    int64_t tasks = 0, *task_seg = NULL;
-    const int rc = segment_tasks(seg_start, seg_rank, n_seg, R, TT, &tasks, &task_seg);
-    if (rc) return rc;
+ * lora_decode_bf16 gives it. Measured here: ~60 GFLOP/s, 1.5x the per-token kernel on the same tokens.
+ * 0, or -2 when a thread's scratch could not be allocated. */
+static int segments_run(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const int64_t *tok,
+                        const int64_t *seg_start, const int64_t *seg_slot, const int64_t *seg_rank,
+                        const uint16_t *a, int64_t a_slot_stride, int G, int in, const uint16_t *const *b,
+                        const int64_t *b_slot_stride, const int64_t *out, int64_t tasks, const int64_t *task_seg) {
     const int64_t *task_first = task_seg + tasks + 1;
     int failed = 0;
 #pragma omp parallel
@@ -388,9 +380,28 @@ int lora_segments_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t
         free(xs);
         free(v);
     }
-    free(task_seg);
     return failed ? -2 : 0;
 }
 #else
 DEFINE_LORA(lora_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
+#endif
+
+#if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
+/* Multi-LoRA for segments of tokens sharing an adapter (prefill), bf16 (this CPU's segments_run above).
+ * Segment i covers tok[seg_start[i] .. seg_start[i + 1]) (rows of x and y), adapter slot seg_slot[i],
+ * rank seg_rank[i] <= R; other arguments as lora_decode_bf16. 0; -1 shapes past the compiled limits;
+ * -3 a bad segment; -2 out of memory. */
+int lora_segments_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const int64_t *tok,
+                       const int64_t *seg_start, const int64_t *seg_slot, const int64_t *seg_rank, int n_seg,
+                       const uint16_t *a, int64_t a_slot_stride, int R, int G, int in, const uint16_t *const *b,
+                       const int64_t *b_slot_stride, const int64_t *out) {
+    if (G > MAX_GROUPS || R * G > MAX_RANK_ROWS || in > MAX_IN) return -1;
+    int64_t tasks = 0, *task_seg = NULL;
+    const int rc = segment_tasks(seg_start, seg_rank, n_seg, R, TT, &tasks, &task_seg);
+    if (rc) return rc;
+    const int ran = segments_run(x, x_stride, y, y_stride, tok, seg_start, seg_slot, seg_rank, a, a_slot_stride, G,
+                                 in, b, b_slot_stride, out, tasks, task_seg);
+    free(task_seg);
+    return ran;
+}
 #endif
