@@ -23,6 +23,7 @@ serve: $(STAMP)
 	$(BIN)/loraplex serve --host $(HOST) --port $(PORT)
 
 test: $(STAMP)
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)

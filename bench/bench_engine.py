@@ -61,7 +61,7 @@ def kv_read_bound(args, llm) -> tuple[float, int, float]:
 def engine_side(args, prompts):
     """The engine, loaded and warmed up -> (llm, run): run() times one generate of the workload (tok/s)."""
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from ipc.sampling_params import SamplingParams
     llm = LLM(dtype=args.dtype, max_num_seqs=args.num, max_num_batched_tokens=args.max_batched_tokens,
               enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=args.out_len, ignore_eos=True)
@@ -81,6 +81,7 @@ def engine_side(args, prompts):
 def hf_side(args, prompts):
     """transformers' batched generate on the same weights and dtype -> run() as engine_side's."""
     from transformers import AutoModelForCausalLM
+
     from engine.model.resolve import resolve_model
     path, _ = resolve_model("default")
     dtype = getattr(torch, args.dtype)

@@ -21,7 +21,7 @@ from bench.adapters import ALL, mean_pages, write_peft_adapter
 from engine.config import EngineConfig
 from engine.llm import LLM
 from engine.model_runner import page_elems
-from engine.sampling_params import SamplingParams
+from ipc.sampling_params import SamplingParams
 
 
 def run(llm: LLM, prompts, adapters, out_len: int) -> float:
@@ -68,7 +68,8 @@ def experiment_a(args, work: Path) -> None:
         loras.append(run(llm, prompts, names, args.out_len))
         bases.append(run(llm, prompts, [None] * n, args.out_len))
     lora, base = max(loras), max(bases)
-    print(f"(a) {n} requests x {args.prompt_len}+{args.out_len} tokens, {args.dtype}, best of {args.repeats} alternated runs")
+    print(f"(a) {n} requests x {args.prompt_len}+{args.out_len} tokens, {args.dtype}, "
+          f"best of {args.repeats} alternated runs")
     print(f"    base only          : {base:8.1f} tok/s   (runs: {', '.join(f'{b:.0f}' for b in bases)})")
     print(f"    64 rank-16 adapters: {lora:8.1f} tok/s   (runs: {', '.join(f'{x:.0f}' for x in loras)}; "
           f"{stats_line(llm, before)})")

@@ -50,6 +50,7 @@ def experiment_peft(args, work: Path) -> None:
 def run_peft(args, dirs, names, prompts) -> float:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
+
     from engine.model.resolve import resolve_model
     path, _ = resolve_model("default")
     base = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()

@@ -84,7 +84,7 @@ def report(stats: dict, args) -> None:
 
 
 def start_server(adapter_dir: Path, args) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", "0", "--adapter-dir",
+    proc = subprocess.Popen([sys.executable, "-m", "frontends.cli", "serve", "--port", "0", "--adapter-dir",
                              str(adapter_dir), "--max-loras", str(args.max_loras), "--frontends", "2"],
                             stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:

@@ -1,5 +1,5 @@
 """loraplex engine. `from engine import LLM, SamplingParams`."""
-from engine.sampling_params import SamplingParams
+from ipc.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams"]
 

@@ -139,10 +139,11 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     seed: int = 0
+    backend: str = "auto"     # the compute backend (kernels/selector.py): auto, torch, cpu or triton
 
     @classmethod
     def create(cls, model: str = "default", dtype: str | torch.dtype = "bfloat16",
-               max_model_len: int | None = None, seed: int = 0, **kwargs) -> "EngineConfig":
+               max_model_len: int | None = None, seed: int = 0, backend: str = "auto", **kwargs) -> "EngineConfig":
         """Build from flat keyword arguments; unknown names raise a ValueError naming them."""
         from engine.model.resolve import resolve_model
         path, name = resolve_model(model)
@@ -154,17 +155,20 @@ class EngineConfig:
             raise ValueError(f"unknown engine argument(s): {', '.join(sorted(kwargs))}")
         model_cfg = ModelConfig.from_dir(path, parse_dtype(dtype), name, max_model_len)
         cfg = cls(model=model_cfg, cache=parts[CacheConfig], scheduler=parts[SchedulerConfig],
-                  lora=parts[LoraConfig], seed=seed)
+                  lora=parts[LoraConfig], seed=seed, backend=backend)
         cfg.validate()
         return cfg
 
     def validate(self) -> None:
         s, c, lo = self.scheduler, self.cache, self.lora
         for name, value in (("max_loras", lo.max_loras), ("max_lora_rank", lo.max_lora_rank),
-                            ("max_cpu_loras", lo.max_cpu_loras), ("max_num_seqs", s.max_num_seqs), ("max_num_batched_tokens", s.max_num_batched_tokens),
+                            ("max_cpu_loras", lo.max_cpu_loras), ("max_num_seqs", s.max_num_seqs),
+                            ("max_num_batched_tokens", s.max_num_batched_tokens),
                             ("block_size", c.block_size), ("kv_cache_memory_bytes", c.kv_cache_memory_bytes)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        from engine.waiting_queue import POLICIES
-        if s.scheduling_policy not in POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, got {s.scheduling_policy!r}")
+        from engine.waiting_queue import policy_class
+        from kernels.selector import BACKENDS
+        policy_class(s.scheduling_policy)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")

@@ -67,7 +67,8 @@ class Detokenizer:
                     break
         if finished and not self.stopped:
             # flush a dangling partial character, if any
-            tail = self._decode(self.ids[self.prefix_offset:])[len(self._decode(self.ids[self.prefix_offset:self.read_offset])):]
+            done = len(self._decode(self.ids[self.prefix_offset:self.read_offset]))
+            tail = self._decode(self.ids[self.prefix_offset:])[done:]
             self.text += tail
             self.read_offset = self.prefix_offset = len(self.ids)
         end = len(self.text) if finished or self.stopped else max(self.sent, len(self.text) - self.hold)

@@ -10,17 +10,17 @@ from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.output_processor import OutputProcessor
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.request import FinishReason
-from engine.sampling_params import SamplingParams
 from engine.tokenizer import encode_chat, load_tokenizer
 from ipc.requests import GenerateRequest
+from ipc.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 
 
 class LLM:
-    """One engine in this process. Keyword arguments are EngineConfig settings (`dtype`,
-    `max_num_seqs`, `max_num_batched_tokens`, `kv_cache_memory_bytes`, `block_size`, ...)."""
+    """One engine in this process. Keyword arguments are EngineConfig settings (`dtype`, `backend`
+    ("auto", "torch", "cpu", "triton"), `max_num_seqs`, `max_num_batched_tokens`, `kv_cache_memory_bytes`,
+    `block_size`, ...)."""
 
     def __init__(self, model: str = "default", dtype: str = "bfloat16", **kwargs):
         self.config = EngineConfig.create(model=model, dtype=dtype, **kwargs)
@@ -50,7 +50,8 @@ class LLM:
     def list_adapters(self) -> list[str]:
         return self.engine.adapters.names() if self.engine.adapters else []
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
                  adapter: str | None | Sequence[str | None] = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for every prompt together (continuous batching); outputs in prompt order.
         `adapter`: one adapter name (or None, the base model) for all prompts, or a list with one per prompt."""
@@ -92,10 +93,7 @@ class LLM:
         bar = tqdm(total=len(results), desc="generating", disable=not use_tqdm)
         try:
             while self.engine.has_unfinished():
-                deltas, stopped = self.processor.process(self.engine.step())
-                for rid in stopped:
-                    self.engine.abort(rid, FinishReason.STOP)
-                for d in deltas:
+                for d in self.processor.step(self.engine):
                     out = results[d.request_id].outputs[0]
                     out.text += d.text
                     out.token_ids.extend(d.token_ids)
@@ -107,7 +105,7 @@ class LLM:
                     results[d.request_id].num_cached_tokens = d.cached_tokens
                     if d.finish_reason is not None:
                         out.finish_reason = d.finish_reason
-                        out.error = self.engine.request_errors.pop(d.request_id, None)
+                        out.error = d.error
                         bar.update()
         finally:
             bar.close()

@@ -1,8 +1,8 @@
 """Turns a SchedulerOutput into tensors, runs the model and samples.
 
 Owns the page pool's storage: one tensor [num_pages, page_elems] in the model dtype. A KV page holds
-one block for every layer, laid out [layers, 2 (K, V), block]; a block is [block_size, kv_heads, head_dim]
-(row layout) or, in bf16 with the C kernels, the paired layout of kernels/cpu/paired_attention.c.
+one block for every layer, laid out [layers, 2 (K, V), block]; the order inside a block is the backend's
+(`Backend.kv_caches`: rows [block_size, kv_heads, head_dim] by default).
 """
 from __future__ import annotations
 
@@ -10,15 +10,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import envs
 from engine.config import EngineConfig
-from engine.model.attention import AttentionMetadata, PrefillSeq
-from engine.memory import huge_zeros
-from engine.model.llama import LlamaModel, LoraHook
+from engine.model.llama import LlamaModel
 from engine.model.weights import load_weights
 from engine.sampler import History, Sampler, logprobs
-from ipc.outputs import TokenLogprobs
-from kernels.cpu import attention as cpu_attention
 from engine.scheduler import SchedulerOutput
+from ipc.outputs import TokenLogprobs
+from kernels.attention_metadata import AttentionMetadata, PrefillSeq
+from kernels.backend import LoraStep
+from kernels.memory import huge_zeros
+from kernels.selector import configure_cpu_kernels, select_backend
 
 
 @dataclass
@@ -32,6 +34,14 @@ class ForwardInput:
     prompt_targets: list = field(default_factory=list)     # (request, index of that prompt token) per row
 
 
+@dataclass
+class ModelOutput:
+    """What one step produced, by row of SchedulerOutput.requests: the sampled token of every row that
+    finished its chunk, and the logprobs of those whose request asked for them."""
+    sampled: dict[int, int] = field(default_factory=dict)
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+
+
 def page_elems(cfg: EngineConfig) -> int:
     m = cfg.model
     return m.num_layers * 2 * cfg.cache.block_size * m.num_kv_heads * m.head_dim
@@ -42,23 +52,15 @@ class ModelRunner:
         self.cfg = cfg
         m = cfg.model
         self.block_size = cfg.cache.block_size
-        self.model = LlamaModel(m, load_weights(m))
+        configure_cpu_kernels(envs.cache_dir(), envs.cpu_kernels_enabled())
+        self.backend = select_backend(cfg.backend, m, "cpu")
+        self.model = LlamaModel(m, load_weights(m, self.backend), self.backend, envs.c_decoder())
         self.storage = huge_zeros(num_pages, page_elems(cfg), dtype=m.dtype, populate=True)
-        self.sampler = Sampler(cfg.seed)
-        # else prefill and decode use SDPA over gathered blocks
-        self.c_decode_attention = cpu_attention.supports(m.dtype) and cpu_attention.fits(m.num_heads, m.head_dim)
-        # bf16 K/V stored in the pairs vdpbf16ps reads (kernels/cpu/paired_attention.c)
-        self.paired_kv = self.c_decode_attention and cpu_attention.paired_supported(m.dtype, m.head_dim,
-                                                                                    self.block_size)
-        if self.paired_kv:
-            self.kv_caches = cpu_attention.paired_views(self.storage, m.num_layers, self.block_size,
-                                                        m.num_kv_heads, m.head_dim)
-        else:
-            paged = self.storage.view(num_pages, m.num_layers, 2, self.block_size, m.num_kv_heads, m.head_dim)
-            self.kv_caches = [(paged[:, i, 0], paged[:, i, 1]) for i in range(m.num_layers)]
+        self.sampler = Sampler(cfg.seed, self.backend.argmax)
+        self.kv_caches = self.backend.kv_caches(self.storage, m.num_layers, self.block_size, m.num_kv_heads,
+                                                m.head_dim)
         # When a dict, execute() stores each sampling request's fp32 logits [vocab] in it (for tests).
         self.capture_logits: dict[str, torch.Tensor] | None = None
-        self.last_logprobs: dict[int, TokenLogprobs] = {}   # of the last execute(), by row, when asked for
 
     def prepare(self, out: SchedulerOutput) -> ForwardInput:
         bs = self.block_size
@@ -75,8 +77,7 @@ class ModelRunner:
             pages.extend(req.block_ids[p // bs] for p in range(start, end))
             offs.extend(p % bs for p in range(start, end))
             table = req.block_ids[: -(-end // bs)]
-            if n == 1 or self.c_decode_attention:
-                # the C kernel takes every token as one query row over its own prefix
+            if n == 1 or self.backend.every_token_a_row:
                 decode_tables.append(table)
                 decode_counts.append(n)
                 decode_lens.extend(range(start + 1, end + 1))
@@ -91,23 +92,18 @@ class ModelRunner:
                     prompt_targets.append((req, p + 1))
         meta = AttentionMetadata(
             slot_page=torch.tensor(pages, dtype=torch.long), slot_offset=torch.tensor(offs, dtype=torch.long),
-            num_decode=len(decode_lens), decode_block_tables=None, decode_lens=None, decode_mask=None,
-            prefills=prefills, paired=self.paired_kv)
+            num_decode=len(decode_lens), decode_block_tables=None, decode_lens=None, prefills=prefills)
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])
             counts = torch.tensor(decode_counts)
             meta.decode_block_tables = tables if bool((counts == 1).all()) else tables.repeat_interleave(counts, 0)
             meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long)
-            if not self.c_decode_attention:
-                visible = torch.arange(width * bs)[None, :] < meta.decode_lens[:, None]
-                meta.decode_mask = torch.zeros(visible.shape, dtype=self.cfg.model.dtype).masked_fill_(
-                    ~visible, float("-inf"))[:, None, None, :]
         return ForwardInput(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta,
                             torch.tensor(logits_idx, dtype=torch.long), sample_rows, prompt_rows, prompt_targets)
 
-    def execute(self, out: SchedulerOutput, lora: LoraHook | None = None) -> dict[int, int]:
-        """Run one step; return {row in out.requests: sampled token} for rows that finished their chunk."""
+    def execute(self, out: SchedulerOutput, lora: LoraStep | None = None) -> ModelOutput:
+        """Run one step: the tokens sampled for rows that finished their chunk, and their logprobs."""
         inp = self.prepare(out)
         if inp.prompt_rows:
             logits, hidden = self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches,
@@ -117,7 +113,7 @@ class ModelRunner:
             logits = self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches,
                                         inp.logits_indices, lora)
         if not inp.sample_rows:
-            return {}
+            return ModelOutput()
         reqs = [out.requests[r] for r in inp.sample_rows]
         if self.capture_logits is not None:
             for req, row in zip(reqs, logits):
@@ -125,9 +121,8 @@ class ModelRunner:
         params = [r.params for r in reqs]
         history = [_history(r) for r in reqs] if any(p.processes_logits for p in params) else None
         tokens = self.sampler.sample(logits, [r.request_id for r in reqs], params, history)
-        self.last_logprobs = {row: lp for row, lp in zip(inp.sample_rows, logprobs(logits, tokens, params))
-                              if lp is not None}
-        return dict(zip(inp.sample_rows, tokens))
+        lps = {row: lp for row, lp in zip(inp.sample_rows, logprobs(logits, tokens, params)) if lp is not None}
+        return ModelOutput(dict(zip(inp.sample_rows, tokens)), lps)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, targets: list) -> None:
         """Fill each target's request.prompt_logprobs[i]: the logprob of prompt token i where it was

@@ -1,7 +1,9 @@
-"""Turns the core's token outputs into text deltas, one Detokenizer per request.
+"""Turns the core's token outputs into text deltas, one Detokenizer per request; `step` is the one
+step-to-output loop body that the offline `LLM` and the engine process both run.
 
-A stop string is found here, after the core sampled the token: the processor reports those requests
-in `stopped` so the caller aborts them in the core with reason "stop".
+A stop string is found here, after the core sampled the token: `step` aborts those requests in the core
+with reason "stop". Errors travel inside the outputs (`RequestOutput.error`, status 500: the engine, not
+the client, gave up on the request).
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.core.outputs import TokenOutput
 from engine.detokenizer import Detokenizer
+from engine.request import FinishReason
 from ipc.outputs import RequestOutput
 
 
@@ -42,8 +45,17 @@ class OutputProcessor:
                 reason = "stop"
                 stopped.append(o.request_id)
             results.append(RequestOutput(o.request_id, o.new_token_ids, text, reason, o.prompt_tokens,
-                                         o.completion_tokens, o.cached_tokens, logprobs=o.logprobs,
+                                         o.completion_tokens, o.cached_tokens, error=o.error,
+                                         status=500 if o.error else 0, logprobs=o.logprobs,
                                          prompt_logprobs=o.prompt_logprobs))
             if reason is not None:
                 del self.detok[o.request_id]
         return results, stopped
+
+    def step(self, core) -> list[RequestOutput]:
+        """Run one step of `core` (an EngineCore) and return its outputs as deltas for the clients; requests
+        a stop string finished are aborted in the core."""
+        deltas, stopped = self.process(core.step())
+        for rid in stopped:
+            core.abort(rid, FinishReason.STOP)
+        return deltas

@@ -6,13 +6,13 @@ for a 49k vocabulary here). Rows with only a temperature, the common case, are d
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from engine.sampling_params import SamplingParams
 from ipc.outputs import TokenLogprobs
-from kernels.cpu import elementwise
+from ipc.sampling_params import SamplingParams
 
 
 class History(NamedTuple):
@@ -30,8 +30,10 @@ class Sampler:
     """Samples one token per row of logits. A request with a seed owns a generator seeded once, so the
     same seed gives the same output whatever else shares the batch."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """argmax: logits [B, vocab] -> [B] (a backend's; torch's by default)."""
         self.default = torch.Generator().manual_seed(seed)
+        self.argmax = argmax or (lambda logits: logits.argmax(dim=-1))
         self.generators: dict[str, torch.Generator] = {}
 
     def forget(self, request_id: str) -> None:
@@ -50,7 +52,7 @@ class Sampler:
         """logits: [B, vocab] (any float dtype) -> B token ids. history: each row's History, needed when
         some params process logits (SamplingParams.processes_logits)."""
         logits = process_logits(logits, params, history)
-        out = argmax(logits).tolist()
+        out = self.argmax(logits).tolist()
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
             return out
@@ -64,13 +66,6 @@ class Sampler:
         for i, token in zip(rows, _invert_cdf(probs, u)):
             out[i] = token
         return out
-
-
-def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(-1); bf16 rows through the C kernel, which reads them once (no fp32 copy)."""
-    if logits.dtype == torch.bfloat16 and logits.stride(-1) == 1 and elementwise.supports(torch.bfloat16):
-        return elementwise.argmax(logits)
-    return logits.argmax(dim=-1)
 
 
 def process_logits(logits: torch.Tensor, params: list[SamplingParams],

@@ -1,7 +1,7 @@
 """The scheduler's queue of requests waiting to run, one FIFO per adapter (per tenant), and the order in
 which the scheduler offers them a place.
 
-Policies (`SchedulerConfig.scheduling_policy`):
+Policies (`SchedulerConfig.scheduling_policy`), each a class of its own, chosen by name in `POLICIES`:
   "fair" (default): the adapter with the fewest running requests goes next (base-model requests count
           as one more adapter), ties by arrival. A tenant that sends a thousand requests at once takes a
           share of the batch, not all of it: another tenant's request runs as soon as a place frees.
@@ -16,19 +16,66 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator
 
 from engine.request import Request, RequestStatus
 
-POLICIES = ("fair", "fcfs")
+Fifos = dict[int, deque[Request]]   # adapter id -> its waiting requests, in arrival order
+
+
+class Policy(ABC):
+    """The order in which waiting requests (not the preempted ones) are offered a place."""
+    name = ""
+
+    @abstractmethod
+    def order(self, fifos: Fifos, seq: dict[int, int], running: dict[int, int]) -> Iterator[Request]:
+        """fifos: the queue's FIFOs; seq: id(request) -> arrival number; running: running requests per
+        adapter id (a private copy: update it as offered requests start running)."""
+
+
+class FcfsPolicy(Policy):
+    """Arrival order across all adapters (vLLM's default)."""
+    name = "fcfs"
+
+    def order(self, fifos, seq, running):
+        yield from heapq.merge(*fifos.values(), key=lambda r: seq[id(r)])
+
+
+class FairPolicy(Policy):
+    """The adapter with the fewest running requests goes next, ties by arrival. Once an adapter's request
+    is offered and not admitted, its later requests are not offered in this pass (they would be held back
+    for the same reason)."""
+    name = "fair"
+
+    def order(self, fifos, seq, running):
+        heap = [(running.get(aid, 0), seq[id(f[0])], aid, 0) for aid, f in fifos.items()]
+        heapq.heapify(heap)
+        while heap:
+            _, _, aid, i = heapq.heappop(heap)
+            fifo = fifos[aid]
+            req = fifo[i]
+            yield req
+            if req.status != RequestStatus.RUNNING or i + 1 >= len(fifo):
+                continue
+            running[aid] = running.get(aid, 0) + 1
+            heapq.heappush(heap, (running[aid], seq[id(fifo[i + 1])], aid, i + 1))
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (FairPolicy, FcfsPolicy)}
+
+
+def policy_class(name: str) -> type[Policy]:
+    """The policy called `name`; ValueError naming the choices otherwise."""
+    if name not in POLICIES:
+        raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, got {name!r}")
+    return POLICIES[name]
 
 
 class WaitingQueue:
     def __init__(self, policy: str = "fair"):
-        if policy not in POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
-        self.policy = policy
+        self.policy = policy_class(policy)()
         self._fifos: dict[int, deque[Request]] = {}     # adapter id -> its waiting requests, in arrival order
         self.preempted: deque[Request] = deque()
         self._seq: dict[int, int] = {}                  # id(request) -> arrival number
@@ -75,26 +122,11 @@ class WaitingQueue:
         return min(heads, key=lambda r: self._seq[id(r)]) if heads else None
 
     def order(self, running: dict[int, int]) -> Iterator[Request]:
-        """The waiting requests in the order they are offered a place. `running`: running requests per
-        adapter id (updated here as offered requests start running). Under "fair", once an adapter's
-        request is offered and not admitted, its later requests are not offered in this pass (they
-        would be held back for the same reason)."""
+        """The waiting requests in the order they are offered a place: the preempted ones, then the
+        policy's order. `running`: running requests per adapter id (not changed here)."""
         running = dict(running)
         for req in list(self.preempted):
             yield req
             if req.status == RequestStatus.RUNNING:
                 running[req.adapter_id] = running.get(req.adapter_id, 0) + 1
-        if self.policy == "fcfs":
-            yield from heapq.merge(*self._fifos.values(), key=lambda r: self._seq[id(r)])
-            return
-        heap = [(running.get(aid, 0), self._seq[id(f[0])], aid, 0) for aid, f in self._fifos.items()]
-        heapq.heapify(heap)
-        while heap:
-            _, _, aid, i = heapq.heappop(heap)
-            fifo = self._fifos[aid]
-            req = fifo[i]
-            yield req
-            if req.status != RequestStatus.RUNNING or i + 1 >= len(fifo):
-                continue
-            running[aid] = running.get(aid, 0) + 1
-            heapq.heappush(heap, (running[aid], self._seq[id(fifo[i + 1])], aid, i + 1))
+        yield from self.policy.order(self._fifos, self._seq, running)

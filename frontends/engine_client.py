@@ -27,9 +27,9 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine.sampling_params import SamplingParams
 from ipc.outputs import AdapterReply, EngineStatus, RequestOutput, decode_outputs
 from ipc.requests import AbortRequest, AdapterCommand, GenerateRequest, Hello, encode_request
+from ipc.sampling_params import SamplingParams
 
 HEARTBEAT_TIMEOUT = 5.0
 RESTART_WAIT = 180.0     # how long a request waits for a dead engine to come back before it fails
@@ -257,7 +257,8 @@ class EngineClient:
                                  last.completion_tokens, last.cached_tokens, logprobs=lps, prompt_logprobs=prompt_lps)
         return self._call(run())
 
-    def stream(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompt_token_ids: list[int], params: SamplingParams,
+               adapter: str | None = None) -> Iterator[RequestOutput]:
         q: queue.Queue = queue.Queue()
 
         async def pump():

@@ -17,11 +17,11 @@ import msgspec
 from aiohttp import web
 
 from engine import envs, metrics
-from engine.sampling_params import SamplingParams
 from engine.tokenizer import encode_chat, load_tokenizer
 from frontends import openai_protocol as oai
 from frontends.engine_client import AsyncEngineClient, EngineError
 from frontends.openai_protocol import ApiError
+from ipc.sampling_params import SamplingParams
 
 log = logging.getLogger("loraplex.http")
 

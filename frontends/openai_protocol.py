@@ -5,8 +5,8 @@ import json
 import time
 import uuid
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from ipc.outputs import TokenLogprobs
+from ipc.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 class ApiError(Exception):

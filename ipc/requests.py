@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
-from engine.sampling_params import SamplingParams
+from ipc.sampling_params import SamplingParams
 
 _STRUCT = dict(array_like=True, omit_defaults=True, gc=False, tag_field="t")
 

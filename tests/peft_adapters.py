@@ -34,7 +34,7 @@ def init_nonzero(model, name: str, seed: int, std: float = 0.06) -> None:
                     w.copy_(torch.randn(w.shape, generator=g) * std)
 
 
-def make_adapters(base, out_dir: Path, specs: dict[str, dict], seed: int = 0) -> PeftModel:
+def make_adapters(base, out_dir: Path, specs: dict[str, dict], seed: int = 0, std: float = 0.06) -> PeftModel:
     """Save every adapter of `specs` to out_dir/<name>; return one PeftModel holding them all (the oracle)."""
     model = None
     for i, (name, kw) in enumerate(specs.items()):
@@ -43,7 +43,7 @@ def make_adapters(base, out_dir: Path, specs: dict[str, dict], seed: int = 0) ->
             model = get_peft_model(copy.deepcopy(base), cfg, adapter_name=name)
         else:
             model.add_adapter(name, cfg)
-        init_nonzero(model, name, seed + i)
+        init_nonzero(model, name, seed + i, std)
     for name in specs:
         model.set_adapter(name)
         model.save_pretrained(out_dir / "_all", selected_adapters=[name])

@@ -16,14 +16,13 @@ from engine.core.outputs import TokenOutput
 from engine.kv_cache_manager import KVCacheManager
 from engine.lora.adapter_manager import AdapterManager
 from engine.lora.admission import AdapterAdmission
-from engine.lora.cpu_lora import LoraBatch
-from engine.lora.slots import LoraSlots
-from engine.memory import keep_freed_memory
 from engine.model_runner import ModelRunner, page_elems
 from engine.page_pool import PagePool
 from engine.request import FinishReason, Request
 from engine.scheduler import Scheduler
 from ipc.requests import GenerateRequest
+from kernels.backend import LoraStep
+from kernels.memory import keep_freed_memory
 
 log = logging.getLogger("loraplex.engine")
 
@@ -44,13 +43,12 @@ class EngineCore:
         self.adapters = self.slots = admission = None
         if cfg.lora.enable_lora:
             self.adapters = AdapterManager(cfg.lora, cfg.model, self.pool, self.runner.storage)
-            self.slots = LoraSlots(cfg.lora, cfg.model)
+            self.slots = self.runner.backend.lora_slots(cfg.lora.max_loras, cfg.lora.max_lora_rank, cfg.model)
             self.adapters.on_drop.append(self._adapter_dropped)
             self.kv.reclaim = self.adapters.evict_idle
             admission = AdapterAdmission(cfg.lora, self.adapters, self.slots)
         self.scheduler = Scheduler(cfg.scheduler, self.kv, admission)
         self.requests: dict[str, Request] = {}
-        self.request_errors: dict[str, str] = {}   # request id -> why it was aborted (read by the caller)
         log.info("engine ready: model %s (%s), %d pages of %d KiB", cfg.model.name, cfg.model.dtype,
                  num_pages, page_bytes // 1024)
 
@@ -165,12 +163,12 @@ class EngineCore:
                 results.append(self._fail_unservable(self.scheduler.waiting.oldest()))
             return results
         self._order_by_slot(out)
-        sampled = self.runner.execute(out, self._lora_batch(out))
-        finished = {id(r) for r in self.scheduler.update(out, sampled)}
-        for row, token in sampled.items():
+        result = self.runner.execute(out, self._lora_step(out))
+        finished = {id(r) for r in self.scheduler.update(out, result.sampled)}
+        for row, token in result.sampled.items():
             req = out.requests[row]
             done = id(req) in finished
-            lp = self.runner.last_logprobs.get(row)
+            lp = result.logprobs.get(row)
             first = len(req.output_token_ids) == 1
             results.append(TokenOutput(req.request_id, [token], req.finish_reason.value if done else None,
                                        req.num_prompt_tokens, len(req.output_token_ids), req.num_cached_tokens,
@@ -193,24 +191,22 @@ class EngineCore:
         out.requests[:] = [out.requests[i] for i in order]
         out.num_new_tokens[:] = [out.num_new_tokens[i] for i in order]
 
-    def _lora_batch(self, out) -> LoraBatch | None:
+    def _lora_step(self, out) -> LoraStep | None:
         if self.slots is None:
             return None
-        token_slots, token_adapters = [], []
+        token_slots = []
         for req, n in zip(out.requests, out.num_new_tokens):
-            slot = self.slots.slot_of[req.adapter_id] if req.adapter_id else -1
-            token_slots.extend([slot] * n)
-            token_adapters.append(req.adapter_id)
+            token_slots.extend([self.slots.slot_of[req.adapter_id] if req.adapter_id else -1] * n)
         num_decode = sum(1 for n in out.num_new_tokens if n == 1)   # decodes come first (_order_by_slot)
-        return LoraBatch.build(self.slots, token_slots, token_adapters, num_decode)
+        return self.runner.backend.lora_step(self.slots, token_slots, num_decode)
 
     def _fail_unservable(self, req: Request) -> TokenOutput:
         """Nothing runs or loads, yet the head request cannot start: the pool cannot hold it (e.g. with
         pinned adapters). Fail it with an error instead of spinning."""
         self.abort(req.request_id)
-        self.request_errors[req.request_id] = (f"request {req.request_id!r} does not fit in the pool next to the "
-                                            f"pinned adapters ({self.pool.num_pages} pages)")
-        return TokenOutput(req.request_id, [], "abort", req.num_prompt_tokens, 0, 0)
+        error = (f"request {req.request_id!r} does not fit in the pool next to the pinned adapters "
+                 f"({self.pool.num_pages} pages)")
+        return TokenOutput(req.request_id, [], "abort", req.num_prompt_tokens, 0, 0, error=error)
 
     def _finish_failed_loads(self) -> list[TokenOutput]:
         """An adapter whose load failed (e.g. its files changed on disk) fails its waiting requests."""
@@ -220,6 +216,6 @@ class EngineCore:
         for adapter, error in self.adapters.poll():
             for req in [r for r in self.scheduler.waiting if r.adapter_id == adapter.adapter_id]:
                 self.abort(req.request_id)
-                self.request_errors[req.request_id] = f"adapter {adapter.name!r} failed to load: {error}"
-                results.append(TokenOutput(req.request_id, [], "abort", req.num_prompt_tokens, 0, 0))
+                results.append(TokenOutput(req.request_id, [], "abort", req.num_prompt_tokens, 0, 0,
+                                           error=f"adapter {adapter.name!r} failed to load: {error}"))
         return results

@@ -13,3 +13,4 @@ class TokenOutput(NamedTuple):
     cached_tokens: int
     logprobs: list = []          # TokenLogprobs per new token, when the request asked for them
     prompt_logprobs: list | None = None   # with the first token, when asked: per prompt token (None first)
+    error: str | None = None     # why the engine gave up on the request (finish_reason "abort")

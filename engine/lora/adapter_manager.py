@@ -25,6 +25,7 @@ from engine.lora.host_adapter import HostAdapter, load_host_adapter, weights_fil
 from engine.lora.layout import PackedLayout, pack, plan_layout
 from engine.lora.peft_config import LoraSpec, read_spec
 from engine.page_pool import PageKind, PagePool
+from ipc.adapter_names import check_adapter_name
 
 log = logging.getLogger("loraplex.lora")
 
@@ -92,7 +93,7 @@ class AdapterManager:
 
         Registering a name again replaces it: the old adapter is unregistered (its prefix-cache blocks
         dropped) once its requests finish; new requests get the new weights."""
-        _check_name(name)
+        check_adapter_name(name)
         path = Path(path)
         spec = read_spec(path)
         host = load_host_adapter(path, self.model, self.cfg.max_lora_rank, spec)
@@ -305,7 +306,3 @@ class AdapterManager:
 def _read_bytes(path: Path) -> bytes:
     return path.read_bytes()
 
-
-def _check_name(name: str) -> None:
-    if not name or len(name) > 256 or "/" in name or "\\" in name or name in (".", "..") or "\x00" in name:
-        raise ValueError(f"adapter name {name!r} is invalid (no path separators, '.', '..' or NUL; 1-256 chars)")

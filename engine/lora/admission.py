@@ -14,12 +14,12 @@ import torch
 
 from engine.config import LoraConfig
 from engine.lora.adapter_manager import AdapterManager, AdapterState
-from engine.lora.slots import LoraSlots
 from engine.request import Request
+from kernels.backend import AdapterSlots
 
 
 class AdapterAdmission:
-    def __init__(self, cfg: LoraConfig, adapters: AdapterManager, slots: LoraSlots):
+    def __init__(self, cfg: LoraConfig, adapters: AdapterManager, slots: AdapterSlots):
         self.cfg = cfg
         self.adapters = adapters
         self.slots = slots

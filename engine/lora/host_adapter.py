@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 from engine.config import ModelConfig
 from engine.lora.peft_config import MODULES, LoraSpec, module_path, read_spec
 
-_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)"
+                  r"\.lora_([AB])(?:\.\w+)?\.weight$")
 
 
 @dataclass

@@ -8,17 +8,17 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
-from engine.model.linear import Linear
+from kernels.backend import Backend, LinearOp
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor     # [H]
-    qkv: Linear                  # [q_size + 2 * kv_size, H]
-    o: Linear                    # [H, q_size]
+    qkv: LinearOp                # [q_size + 2 * kv_size, H]
+    o: LinearOp                  # [H, q_size]
     post_norm: torch.Tensor      # [H]
-    gate_up: Linear              # [2 * I, H]
-    down: Linear                 # [H, I]
+    gate_up: LinearOp            # [2 * I, H]
+    down: LinearOp               # [H, I]
 
 
 @dataclass
@@ -26,7 +26,7 @@ class LlamaWeights:
     embed: torch.Tensor          # [V, H]
     layers: list[LayerWeights]
     norm: torch.Tensor           # [H]
-    lm_head: Linear              # [V, H] (the embedding's values when tied)
+    lm_head: LinearOp            # [V, H] (the embedding's values when tied)
 
 
 def _open_all(path: Path) -> dict[str, tuple]:
@@ -41,7 +41,9 @@ def _open_all(path: Path) -> dict[str, tuple]:
     return index
 
 
-def load_weights(cfg: ModelConfig) -> LlamaWeights:
+def load_weights(cfg: ModelConfig, backend: Backend) -> LlamaWeights:
+    """Read the checkpoint; every projection packed by `backend.linear`."""
+    linear = backend.linear
     index = _open_all(Path(cfg.path))
 
     def get(name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -58,17 +60,17 @@ def load_weights(cfg: ModelConfig) -> LlamaWeights:
         p = f"model.layers.{i}."
         layers.append(LayerWeights(
             input_norm=get(p + "input_layernorm.weight", (H,)),
-            qkv=Linear(torch.cat([get(p + "self_attn.q_proj.weight", (q, H)),
+            qkv=linear(torch.cat([get(p + "self_attn.q_proj.weight", (q, H)),
                            get(p + "self_attn.k_proj.weight", (kv, H)),
                            get(p + "self_attn.v_proj.weight", (kv, H))])),
-            o=Linear(get(p + "self_attn.o_proj.weight", (H, q))),
+            o=linear(get(p + "self_attn.o_proj.weight", (H, q))),
             post_norm=get(p + "post_attention_layernorm.weight", (H,)),
-            gate_up=Linear(torch.cat([get(p + "mlp.gate_proj.weight", (I, H)),
+            gate_up=linear(torch.cat([get(p + "mlp.gate_proj.weight", (I, H)),
                                       get(p + "mlp.up_proj.weight", (I, H))])),
-            down=Linear(get(p + "mlp.down_proj.weight", (H, I)))))
+            down=linear(get(p + "mlp.down_proj.weight", (H, I)))))
     embed = get("model.embed_tokens.weight", (cfg.vocab_size, H))
     if cfg.tie_word_embeddings or "lm_head.weight" not in index:
         lm_head = embed
     else:
         lm_head = get("lm_head.weight", (cfg.vocab_size, H))
-    return LlamaWeights(embed=embed, layers=layers, norm=get("model.norm.weight", (H,)), lm_head=Linear(lm_head))
+    return LlamaWeights(embed=embed, layers=layers, norm=get("model.norm.weight", (H,)), lm_head=linear(lm_head))

@@ -2,11 +2,12 @@
 
 Actors (asyncio tasks):
   receive   ZMQ ROUTER <- every frontend: requests, aborts, adapter commands      -> inbox
-  step      applies the inbox between steps, runs EngineCore.step in the engine thread  -> outbox
-  detok     token outputs -> text deltas (incremental, stop strings)               -> send queue
+  step      applies the inbox between steps, then runs one step and its detokenization
+            (OutputProcessor.step, the offline LLM's loop body too) in the engine thread  -> send queue
   send      -> ZMQ ROUTER: each output only to the frontend that asked; heartbeats to all
-The forward pass and every torch op run on one dedicated engine thread, so the loop keeps receiving and
-sending while a step computes. Bad input is answered with an error output; the engine keeps serving.
+  heartbeat drops silent frontends (aborting their requests) and sends the status every second
+The forward pass, every torch op and the detokenizer run on one dedicated engine thread, so the loop keeps
+receiving and sending while a step computes. Bad input is answered with an error output; the engine keeps serving.
 """
 from __future__ import annotations
 
@@ -28,8 +29,7 @@ from engine import envs
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.output_processor import OutputProcessor
-from engine.request import FinishReason
-from engine.serving.adapter_dir import resolve_adapter_dir
+from engine.serving.adapter_dir import register_adapter_dir, resolve_adapter_dir
 from engine.serving.adapter_journal import AdapterJournal
 from engine.serving.engine_stats import EngineStatsPublisher
 from ipc.outputs import AdapterReply, EngineStatus, RequestOutput, encode_outputs
@@ -67,7 +67,6 @@ class AsyncEngine:
         self.processor = OutputProcessor(tok)
         self.stats = EngineStatsPublisher(self.core)
         if self.adapter_dir:
-            from engine.cli import register_adapter_dir
             names = await self._run(register_adapter_dir, self.core, self.adapter_dir)
             log.info("registered %d adapters from %s", len(names), self.adapter_dir)
         if self.journal is not None:
@@ -129,12 +128,12 @@ class AsyncEngine:
                     await self.wakeup.wait()
                 continue
             try:
-                outputs = await self._run(self.core.step)
+                deltas = await self._run(self.processor.step, self.core)
             except Exception as e:  # noqa: BLE001 - one bad step must not take the engine down
                 log.exception("engine step failed; failing the running requests")
                 await self.fail_running(f"internal error in the engine step: {e}")
                 continue
-            await self.detokenize(outputs)
+            await self.deliver(deltas)
             self.stats.publish()
 
     async def send(self) -> None:
@@ -247,16 +246,12 @@ class AsyncEngine:
         return status
 
     # -- outputs ----------------------------------------------------------------------------------------
-    async def detokenize(self, outputs) -> None:
-        deltas, stopped = self.processor.process(outputs)
-        for rid in stopped:
-            self.core.abort(rid, FinishReason.STOP)
+    async def deliver(self, deltas: list[RequestOutput]) -> None:
+        """Each delta to the frontend that asked (a non-streaming request's only once it finished)."""
         for d in deltas:
             identity = self.owner.get(d.request_id)
             if identity is None:
                 continue
-            if d.request_id in self.core.request_errors:
-                d.error, d.status = self.core.request_errors.pop(d.request_id), 500
             if not self.stream.get(d.request_id, True):
                 d = self._accumulate(d)
                 if d is None:
@@ -274,7 +269,8 @@ class AsyncEngine:
         if d.prompt_logprobs is not None:
             acc.prompt_logprobs = d.prompt_logprobs
         acc.text += d.text
-        acc.prompt_tokens, acc.completion_tokens, acc.cached_tokens = d.prompt_tokens, d.completion_tokens, d.cached_tokens
+        acc.prompt_tokens, acc.completion_tokens = d.prompt_tokens, d.completion_tokens
+        acc.cached_tokens = d.cached_tokens
         acc.finish_reason, acc.error, acc.status = d.finish_reason, d.error, d.status
         return self.pending.pop(d.request_id) if d.finish_reason is not None else None
 

@@ -124,7 +124,8 @@ def paired_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     lens = lens.to(torch.int64).contiguous()
     assert block_tables.shape[0] == lens.shape[0] == rows
     out = torch.empty(rows, h, d, dtype=q.dtype)
-    rc = _paired_fns()["attention"](q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), page_stride,
+    rc = _paired_fns()["attention"](q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                    page_stride,
                                     block_tables.data_ptr(), block_tables.shape[1], lens.data_ptr(), rows, h, kvh, d,
                                     bs, scale)
     if rc != 0:

@@ -1,6 +1,6 @@
 """Compile a C source of this package once per machine and load it with ctypes.
 
-The shared object is cached under `$LORAPLEX_CACHE/kernels/`, keyed by the source, the compiler flags
+The shared object is cached under `<SETTINGS.cache_dir>/kernels/`, keyed by the source, the compiler flags
 and this CPU's feature flags (it is built with -march=native). Building writes a temporary file and
 renames it into place, so concurrent processes never load a half-written library. Load it after
 `import torch`: the library's OpenMP calls then bind to the runtime torch already loaded, so both
@@ -17,11 +17,30 @@ import re
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-from engine import envs
-
 log = logging.getLogger("loraplex.kernels")
+
+@dataclass
+class BuildSettings:
+    """Where compiled kernels are cached and whether the C kernels are used at all. The engine sets them
+    from its environment (`configure`, called by kernels.selector); the defaults serve direct users."""
+    cache_dir: str = str(Path.home() / ".cache" / "loraplex")
+    enabled: bool = True
+
+
+SETTINGS = BuildSettings()
+
+
+def configure(cache_dir: str | None = None, enabled: bool | None = None) -> None:
+    """Set the build settings (None keeps one). Call before the first kernel is loaded: a library
+    already loaded, or found missing, stays so for this process."""
+    if cache_dir is not None:
+        SETTINGS.cache_dir = cache_dir
+    if enabled is not None:
+        SETTINGS.enabled = enabled
+
 
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
 
@@ -59,12 +78,13 @@ def build(name: str) -> ctypes.CDLL:
     sources = [src, *(src.parent / c for c in included), *sorted(src.parent.glob("*.h"))]
     key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(FLAGS).encode()
                          + _cpu_flags().encode()).hexdigest()[:16]
-    out = Path(envs.cache_dir()) / "kernels" / f"{name}-{key}.so"
+    out = Path(SETTINGS.cache_dir) / "kernels" / f"{name}-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        proc = subprocess.run([cc, *FLAGS, f"-I{src.parent}", str(src), "-o", tmp, "-lm"], capture_output=True, text=True)
+        proc = subprocess.run([cc, *FLAGS, f"-I{src.parent}", str(src), "-o", tmp, "-lm"], capture_output=True,
+                              text=True)
         if proc.returncode != 0:
             os.unlink(tmp)
             raise RuntimeError(f"compiling {src.name} failed: {proc.stderr.strip()[:2000]}")
@@ -75,8 +95,8 @@ def build(name: str) -> ctypes.CDLL:
 
 def load_functions(name: str, symbols: dict, argtypes: list) -> dict | None:
     """{key: C function} for `symbols` ({key: symbol name}) of library `name`, with ctypes signatures set;
-    None when the C kernels are disabled (LORAPLEX_CPU_KERNELS=0) or cannot be built here."""
-    if not envs.cpu_kernels_enabled():
+    None when the C kernels are disabled (SETTINGS.enabled) or cannot be built here."""
+    if not SETTINGS.enabled:
         return None
     try:
         lib = build(name)

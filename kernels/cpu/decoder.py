@@ -71,9 +71,8 @@ def _fn():
 
 
 class Decoder:
-    """The decoder layers of one model over one KV pool: run(x, ...) is the layer loop of LlamaModel.forward
-    for a step with no adapter or with a DecoderLora. Build with Decoder.create (None where this host or
-    model cannot)."""
+    """kernels.backend.FusedDecoder: the decoder layers of one model over one KV pool, run(x, ...) the layer
+    loop of LlamaModel.forward. Build with Decoder.create (None where this host or model cannot)."""
 
     def __init__(self, cfg, layers, kv_caches):
         self.cfg = cfg
@@ -142,15 +141,21 @@ class Decoder:
             keep.append(seg)
         return keep
 
+    def accepts(self, meta, lora) -> bool:
+        """Every step whose adapters (a LoraBatch) the C kernels cover (for_decoder)."""
+        return lora is None or lora.for_decoder() is not None
+
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, lora=None) -> torch.Tensor:
         """x: [T, H] bf16 contiguous (the embeddings), updated in place to the residual stream after the last
         layer's attention and MLP but before its residual add, which is returned ([T, H]: the caller adds it,
-        as the layer loop does). cos, sin: [T, d]; meta: the step's AttentionMetadata (paired: every token a
-        row of decode_block_tables / decode_lens). lora: the step's adapters (None: none)."""
+        as the layer loop does). cos, sin: [T, d]; meta: the step's AttentionMetadata (the paired layout:
+        every token a row of decode_block_tables / decode_lens). lora: the step's LoraBatch (None: none),
+        which accepts() took."""
+        lora = lora.for_decoder() if lora is not None else None
         cfg = self.cfg
         t, hdim = x.shape
         assert x.is_contiguous() and x.dtype == torch.bfloat16 and hdim == cfg.hidden_size
-        assert meta.paired and meta.num_decode == t and not meta.prefills
+        assert meta.num_decode == t and not meta.prefills
         cos, sin = cos.contiguous(), sin.contiguous()
         tables = meta.decode_block_tables.to(torch.int64).contiguous()
         lens = meta.decode_lens.to(torch.int64).contiguous()

@@ -100,7 +100,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     assert pages.is_contiguous() and offsets.is_contiguous() and pages.shape == offsets.shape == (t,)
     es = k.element_size()
     _fns()["write_kv"](k.data_ptr(), k.stride(0) * es, v.data_ptr(), v.stride(0) * es, k_cache.data_ptr(),
-                       v_cache.data_ptr(), k_cache.stride(0) * es, pages.data_ptr(), offsets.data_ptr(), t, kvh * d * es)
+                       v_cache.data_ptr(), k_cache.stride(0) * es, pages.data_ptr(), offsets.data_ptr(), t,
+                       kvh * d * es)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

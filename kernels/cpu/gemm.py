@@ -117,7 +117,8 @@ class Gemm:
             assert lora.slot.shape == lora.rank.shape == (m,) and k == self.in_features
             assert lora.a.stride()[1:] == (g * k, k, 1) and lora.a.dtype == torch.bfloat16
             v = torch.empty(m, (r + 1) // 2 * g, dtype=torch.int32)   # the shrink's results as bf16 pairs (scratch)
-            rc = self.fns["lora"](*args, lora.slot.data_ptr(), lora.rank.data_ptr(), lora.a.data_ptr(), lora.a.stride(0),
+            rc = self.fns["lora"](*args, lora.slot.data_ptr(), lora.rank.data_ptr(), lora.a.data_ptr(),
+                                  lora.a.stride(0),
                                 r, g, lora.b_ptrs, lora.b_strides, lora.outs, v.data_ptr(), v.stride(0))
         if rc != 0:
             name = "gemm" if lora is None else "gemm_lora_bf16"

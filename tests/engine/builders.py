@@ -7,8 +7,8 @@ from engine.config import SchedulerConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.page_pool import PagePool
 from engine.request import Request
-from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from ipc.sampling_params import SamplingParams
 
 _ids = itertools.count()
 

@@ -26,8 +26,8 @@ def test_a_resumed_request_continues_its_text_exactly(tokenizer):
     """After an engine restart a request is resent with its earlier output at the end of the prompt; the
     new detokenizer replays it: the client's text is the same as without the restart, whatever was held
     back, and a stop string that straddles the resend point is found."""
-    from engine.output_processor import OutputProcessor
     from engine.core.outputs import TokenOutput
+    from engine.output_processor import OutputProcessor
     prompt = tokenizer("Say it:", add_special_tokens=False)["input_ids"]
     for text, stop in [("Grüße aus Köln 🙂 — 東京 and more words", []),
                        ("alpha beta ST", ["STOP"]), ("alpha beta STOP gamma delta", ["STOP"])]:
@@ -46,7 +46,8 @@ def test_a_resumed_request_continues_its_text_exactly(tokenizer):
             again = OutputProcessor(tokenizer)
             again.add("r", prompt + ids[:cut], stop, False, resumed=cut, resumed_chars=len(got))
             for i, t in enumerate(ids[cut:]):
-                (out,), done = again.process([TokenOutput("r", [t], "length" if cut + i == len(ids) - 1 else None, 0, 0, 0)])
+                reason = "length" if cut + i == len(ids) - 1 else None
+                (out,), done = again.process([TokenOutput("r", [t], reason, 0, 0, 0)])
                 got += out.text
                 if done or out.finish_reason:
                     break

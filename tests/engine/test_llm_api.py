@@ -2,7 +2,7 @@
 import pytest
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from ipc.sampling_params import SamplingParams
 from tests.conftest import assert_pool_idle
 
 

@@ -2,7 +2,7 @@
 import pytest
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from ipc.sampling_params import SamplingParams
 from tests.conftest import assert_pool_idle, hf_greedy
 
 PAGE_FP32 = 30 * 2 * 16 * 3 * 64 * 4   # bytes of one KV page of the default model in float32

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.sampler import History, Sampler, _invert_cdf, process_logits
-from engine.sampling_params import SamplingParams
+from ipc.sampling_params import SamplingParams
 
 LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0, 0.0]) + 1e-30)
 
@@ -36,7 +36,8 @@ def test_temperature_sharpens():
 
 
 @pytest.mark.parametrize("params,support", [(SamplingParams(top_k=2), {0, 1}), (SamplingParams(top_p=0.6), {0, 1}),
-                                            (SamplingParams(top_p=0.4), {0}), (SamplingParams(top_k=3, top_p=0.99), {0, 1, 2})])
+                                            (SamplingParams(top_p=0.4), {0}),
+                                            (SamplingParams(top_k=3, top_p=0.99), {0, 1, 2})])
 def test_top_k_and_top_p_limit_the_support(params, support):
     seen = set(draw(params, n=2000).tolist())
     assert seen == support
@@ -80,7 +81,8 @@ def test_logprobs_of_sampled_token_and_top_alternatives():
     ref = logits.float().log_softmax(-1)
     assert out[1] is None
     assert out[0].token_id == 7 and abs(out[0].logprob - float(ref[0, 7])) < 1e-6
-    assert out[0].top_ids == ref[0].topk(4).indices.tolist() and out[0].top_logprobs == sorted(out[0].top_logprobs, reverse=True)
+    assert out[0].top_ids == ref[0].topk(4).indices.tolist()
+    assert out[0].top_logprobs == sorted(out[0].top_logprobs, reverse=True)
     assert out[2].top_ids == [] and abs(out[2].logprob - float(ref[2, 11])) < 1e-6   # before temperature
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=21)

@@ -11,7 +11,7 @@ import time
 
 class Server:
     def __init__(self, *args: str, timeout: float = 600):
-        self.proc = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", "0", *args],
+        self.proc = subprocess.Popen([sys.executable, "-m", "frontends.cli", "serve", "--port", "0", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self.ready = threading.Event()

@@ -7,8 +7,8 @@ import msgspec
 import pytest
 import requests
 
-from engine.sampling_params import SamplingParams
 from frontends.engine_client import AsyncEngineClient, EngineClient, EngineError
+from ipc.sampling_params import SamplingParams
 from tests.frontends.conftest import API_KEY
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -7,11 +7,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from engine.sampling_params import SamplingParams
 from frontends import engine_client
 from frontends.engine_client import AsyncEngineClient, EngineError
 from ipc.outputs import EngineStatus, RequestOutput, encode_outputs
 from ipc.requests import GenerateRequest, Hello, decode_request
+from ipc.sampling_params import SamplingParams
 
 
 class ScriptedEngine:

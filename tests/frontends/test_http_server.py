@@ -25,7 +25,8 @@ def client(server):
 
 
 def test_completions_chat_and_streaming_with_openai_client(client):
-    out = client.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "What is the capital of France?"}],
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    out = client.chat.completions.create(model=BASE, messages=question,
                                          max_tokens=16, temperature=0)
     assert "Paris" in out.choices[0].message.content and out.choices[0].finish_reason == "stop"
     assert out.usage.completion_tokens > 0 and out.usage.prompt_tokens > 0
@@ -341,7 +342,8 @@ def test_kill_9_of_the_engine_loses_no_in_flight_request(server, client, served_
     import re
     import signal
     _, src = served_adapters
-    r = requests.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "tenant-x", "lora_path": str(src / "r8-all")},
+    body = {"lora_name": "tenant-x", "lora_path": str(src / "r8-all")}
+    r = requests.post(server.url + "/v1/load_lora_adapter", json=body,
                       headers=AUTH)
     assert r.status_code == 200, r.text
     pid = int(re.search(r"engine pid (\d+)", "".join(server.lines)).group(1))

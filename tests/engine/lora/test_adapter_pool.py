@@ -6,8 +6,8 @@ import torch
 
 from engine.config import LoraConfig
 from engine.lora.adapter_manager import AdapterManager, AdapterState
-from engine.lora.layout import unpack_module
 from engine.page_pool import PageKind, PagePool
+from kernels.lora_layout import unpack_module
 from tests.engine.lora.synthetic import TINY, write_adapter
 
 PAGE = 512

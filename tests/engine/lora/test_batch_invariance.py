@@ -6,7 +6,7 @@ import random
 import pytest
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from ipc.sampling_params import SamplingParams
 from tests.peft_adapters import FIDELITY_ADAPTERS
 
 PAGE_FP32 = 30 * 2 * 16 * 3 * 64 * 4

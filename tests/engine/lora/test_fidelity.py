@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from ipc.sampling_params import SamplingParams
 from tests.peft_adapters import FIDELITY_ADAPTERS
 
 PROMPTS = ["The weather today is", "My favourite recipe uses", "In 1850 the city of", "def fibonacci(n):"]

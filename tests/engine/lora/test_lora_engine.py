@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from ipc.sampling_params import SamplingParams
 from tests.engine.lora.test_fidelity import peft_greedy
 from tests.peft_adapters import FIDELITY_ADAPTERS
 
@@ -71,7 +71,7 @@ def test_unregister_frees_pages_and_refuses_new_requests(llm, adapter_dir):
 
 def test_cli_generate_with_adapter_dir(adapter_dir, tokenizer):
     d, oracle = adapter_dir
-    r = subprocess.run([sys.executable, "-m", "engine.cli", "generate", "--dtype", "float32", "--prompt",
+    r = subprocess.run([sys.executable, "-m", "frontends.cli", "generate", "--dtype", "float32", "--prompt",
                         "The weather today is", "--max-tokens", "6", "--ignore-eos", "--adapter-dir", str(d),
                         "--adapter", "r8-all", "--json"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -131,6 +131,7 @@ def test_many_adapters_through_a_small_pool_load_each_about_once(tmp_path):
     prefetches into pages the running requests' KV needed next, used to evict adapters before their
     requests ran: with 256 adapters, 35 loads per adapter and a quarter of the throughput.)"""
     import torch
+
     from bench.adapters import mean_pages, write_peft_adapter
     from engine.config import EngineConfig
     from engine.model_runner import page_elems

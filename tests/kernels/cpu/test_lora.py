@@ -67,13 +67,12 @@ def test_rank_above_max_is_refused():
 
 
 def test_ranks_beyond_the_compiled_limit_fall_back():
-    from engine.config import LoraConfig
-    from engine.lora import cpu_lora
-    from engine.lora.slots import LoraSlots
+    from kernels.cpu import lora_batch
+    from kernels.cpu.slots import CpuLoraSlots
     from tests.engine.lora.synthetic import TINY
     assert c_lora.fits(256, 8192) and not c_lora.fits(257, 8192)
-    assert not cpu_lora.use_c_kernel(LoraSlots(LoraConfig(max_loras=1, max_lora_rank=512), TINY))
-    assert cpu_lora.use_c_kernel(LoraSlots(LoraConfig(max_loras=1, max_lora_rank=16), TINY))
+    assert not lora_batch.use_c_kernel(CpuLoraSlots(1, 512, TINY))
+    assert lora_batch.use_c_kernel(CpuLoraSlots(1, 16, TINY))
 
 
 @pytest.mark.skipif(not c_lora.supports_segments(torch.bfloat16), reason="no AVX512-BF16 or AVX2 here")

@@ -2,11 +2,16 @@
 against the fp32 reference and against the row-layout kernel."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from engine.model.attention import AttentionMetadata, paged_attention, write_kv
+from kernels.attention_metadata import AttentionMetadata
 from kernels.cpu import attention as cpu_attention
+from kernels.cpu.backend import CpuBackend
+from kernels.reference.backend import TorchBackend
+from tests.engine.lora.synthetic import TINY
 from tests.kernels.cpu.test_attention import reference
 
 pytestmark = pytest.mark.skipif(not cpu_attention.paired_supported(torch.bfloat16, 64, 16),
@@ -92,8 +97,9 @@ def test_query_rows_at_a_stride():
                                cpu_attention.paired_attention(q, kc, vc, tables, lens, 0.125), atol=0, rtol=0)
 
 
-def test_engine_path_agrees_with_the_row_layout():
-    """write_kv + paged_attention through AttentionMetadata(paired=True) give what the row layout gives."""
+def test_backend_path_agrees_with_the_row_layout():
+    """The CPU backend's write_kv + attention over its paired views give what the reference backend gives
+    over the row layout."""
     bs, kvh, d, h, pages = 16, 3, 64, 9, 30
     g = torch.Generator().manual_seed(3)
     lens = [3, 17, 64, 40]
@@ -107,14 +113,16 @@ def test_engine_path_agrees_with_the_row_layout():
     seq = torch.cat([torch.full((m,), i) for i, m in enumerate(lens)])
     pos = torch.cat([torch.arange(m) for m in lens])
     slot_page, slot_off = tables[seq, pos // bs], pos % bs
+    shape = dataclasses.replace(TINY, dtype=torch.bfloat16, num_heads=h, num_kv_heads=kvh, head_dim=d)
     outs = []
-    for paired in (True, False):
+    for backend in (CpuBackend(shape), TorchBackend(shape)):
         storage = torch.zeros(pages, 2 * bs * kvh * d, dtype=torch.bfloat16)
-        caches = (cpu_attention.paired_views(storage, 1, bs, kvh, d)[0] if paired
-                  else (storage.view(pages, 2, bs, kvh, d)[:, 0], storage.view(pages, 2, bs, kvh, d)[:, 1]))
-        meta = AttentionMetadata(slot_page, slot_off, len(lens), tables, torch.tensor(lens), None, [], paired=paired)
-        write_kv(*caches, k, v, meta)
-        outs.append(paged_attention(q, *caches, meta, 0.125))
+        caches = backend.kv_caches(storage, 1, bs, kvh, d)[0]
+        assert caches[0].dim() == (5 if backend.name == "cpu" else 4)     # paired / rows
+        # every token a row for the C kernel; the reference backend takes only the queries here
+        meta = AttentionMetadata(slot_page, slot_off, len(lens), tables, torch.tensor(lens), [])
+        backend.write_kv(*caches, k, v, meta)
+        outs.append(backend.attention(q, *caches, meta, 0.125))
     torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=2e-2, rtol=2e-2)
 
 

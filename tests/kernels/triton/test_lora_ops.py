@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from kernels import lora_ops
-from kernels.reference import ref_expand, ref_shrink, segments_to_indices
+from kernels.reference.paged_lora import ref_expand, ref_shrink, segments_to_indices
+from kernels.triton import lora_ops
 
 PAGE = 256
 TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}

@@ -5,8 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model.linear import Linear, _can_pack
 from kernels.cpu import gemm as c_gemm
+from kernels.cpu.linear import CpuLinear as Linear
+from kernels.cpu.linear import _can_pack
 
 KERNELS = [pytest.param("onednn", marks=pytest.mark.skipif(not _can_pack(torch.bfloat16),
                                                            reason="no native bf16 oneDNN on this CPU")),

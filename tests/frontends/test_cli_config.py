@@ -1,8 +1,8 @@
 """`--config FILE` (TOML) gives defaults; flags on the command line win; unknown keys are named."""
 import pytest
 
-from engine.cli import _apply_config, build_parser
 from engine.metrics import AdapterLabels
+from frontends.cli import _apply_config, build_parser
 
 
 def parse(argv):

@@ -5,11 +5,11 @@ import random
 import pytest
 import torch
 
-from engine.config import LoraConfig
-from engine.lora import cpu_lora
-from engine.lora.cpu_lora import GROUPS, LoraBatch
-from engine.lora.slots import LoraSlots
 from kernels.cpu import lora as c_lora
+from kernels.cpu import lora_batch as cpu_lora
+from kernels.cpu.lora_batch import LoraBatch
+from kernels.cpu.slots import CpuLoraSlots
+from kernels.reference.slots import GROUPS
 from tests.engine.lora.synthetic import TINY
 
 
@@ -25,7 +25,7 @@ def path(request, monkeypatch):
 
 
 def make_slots(ranks, dtype=torch.float32):
-    slots = LoraSlots(LoraConfig(max_loras=len(ranks), max_lora_rank=16), dataclasses.replace(TINY, dtype=dtype))
+    slots = CpuLoraSlots(len(ranks), 16, dataclasses.replace(TINY, dtype=dtype))
     g = torch.Generator().manual_seed(0)
     for s, r in enumerate(ranks):
         for name, buf in slots.buf.items():
@@ -80,7 +80,7 @@ def test_lora_batch_matches_per_token_reference(kind):
     slots = make_slots(ranks)
     token_slots = spread(kind, rng, len(ranks))
     # the first half of the tokens are taken as decode tokens (the C kernel's), the rest as prefill
-    batch = LoraBatch.build(slots, token_slots, [s + 1 if s >= 0 else 0 for s in token_slots], len(token_slots) // 2)
+    batch = LoraBatch.build(slots, token_slots, len(token_slots) // 2)
     for group, n_in in (("qkv", 32), ("o", 32), ("gate_up", 32), ("down", 64)):
         x = torch.randn(len(token_slots), n_in)
         ref = reference(slots, 1, group, x, token_slots)
@@ -99,8 +99,7 @@ def test_random_batches_match_reference(seed):
         token_slots += [rng.randrange(-1, len(ranks))] * rng.choice([1, 1, 2, 5, 9, 17])
     if all(s < 0 for s in token_slots):
         token_slots[0] = 0
-    batch = LoraBatch.build(slots, token_slots, [s + 1 if s >= 0 else 0 for s in token_slots],
-                            rng.randint(0, len(token_slots)))
+    batch = LoraBatch.build(slots, token_slots, rng.randint(0, len(token_slots)))
     x = torch.randn(len(token_slots), 32)
     ref = reference(slots, 0, "qkv", x, token_slots)
     y = torch.zeros_like(ref)
@@ -118,7 +117,7 @@ def test_bf16_batches_match_reference(seed, path):
     for _ in range(rng.randint(2, 10)):
         token_slots += [rng.randrange(-1, len(ranks))] * rng.choice([1, 1, 3, 5, 9, 17])
     token_slots[0] = 0
-    batch = LoraBatch.build(slots, token_slots, [s + 1 if s >= 0 else 0 for s in token_slots], 1)
+    batch = LoraBatch.build(slots, token_slots, 1)
     if path == "c-kernel" and cpu_lora.c_lora.supports_segments(torch.bfloat16) and len(token_slots) > 1:
         assert batch.buckets == [] and (batch.segments is not None or all(s < 0 for s in token_slots[1:]))
     x = (torch.randn(len(token_slots), 32) * 0.5).to(torch.bfloat16)
@@ -132,19 +131,18 @@ def test_bf16_batches_match_reference(seed, path):
 def test_bf16_decode_lora_inside_the_base_gemm(group, n_in, path):
     """With the C GEMM, decode tokens' LoRA is computed by the GEMM itself (fused); prefill tokens' after
     it. Same result as the GEMM followed by the LoRA kernels."""
-    from engine.model.linear import Linear
-    from engine.model.llama import project
+    from kernels.cpu.linear import CpuLinear as Linear
     if path != "c-kernel" or not cpu_lora.fuse_into_gemm(make_slots([4], torch.bfloat16)):
         pytest.skip("needs the C GEMM (AVX512-BF16)")
     slots = make_slots([4, 16, 8], torch.bfloat16)
     token_slots = [0, 2, -1, 1, 1, 1, 1, -1, 2, 2]         # 4 decode tokens, then prefill chunks
-    batch = LoraBatch.build(slots, token_slots, [s + 1 if s >= 0 else 0 for s in token_slots], 4)
+    batch = LoraBatch.build(slots, token_slots, 4)
     width = sum(slots.buf[b].shape[3] for b in GROUPS[group][1])
     g = torch.Generator().manual_seed(5)
     lin = Linear((torch.randn(width, n_in, generator=g) * 0.2).to(torch.bfloat16), kernel="c")
     x = (torch.randn(len(token_slots), n_in, generator=g) * 0.5).to(torch.bfloat16)
     assert batch.fused(1, group) is not None
-    fused = project(lin, 1, group, x, batch)
+    fused = batch.project(lin, 1, group, x)
     unfused = lin(x)
     batch.apply(1, group, x, unfused)
     ref = reference(slots, 1, group, x, token_slots) + (x.float() @ lin.weight.float().T)
@@ -159,14 +157,15 @@ def test_slot_assign_writes_the_layout_the_kernels_read(tmp_path, dtype):
     transposed, in bf16 with AVX512-BF16 paired by ranks (the odd rank's partner zero); b_rows reads it
     back whatever the layout."""
     from engine.lora.host_adapter import load_host_adapter
-    from engine.lora.layout import pack, plan_layout, unpack_module
-    from engine.lora.slots import SLOT_OF_MODULE
+    from engine.lora.layout import pack, plan_layout
+    from kernels.lora_layout import unpack_module
+    from kernels.reference.slots import SLOT_OF_MODULE
     from tests.engine.lora.synthetic import SHAPES, write_adapter
     cfg = dataclasses.replace(TINY, dtype=dtype)
     host = load_host_adapter(write_adapter(tmp_path / "a", 5, tuple(SHAPES)), cfg, max_rank=8)
     layout = plan_layout(host)
     flat = pack(host, layout, 256).flatten()
-    slots = LoraSlots(LoraConfig(max_loras=2, max_lora_rank=8), cfg)
+    slots = CpuLoraSlots(2, 8, cfg)
     assert slots.paired == c_lora.pairs_b(dtype)
     s = slots.assign(1, layout, flat, busy=set())
     for (layer, module), ms in layout.modules.items():

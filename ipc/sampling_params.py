@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import msgspec
 
-
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300   # entries of a logit_bias map
 

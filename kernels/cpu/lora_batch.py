@@ -1,18 +1,18 @@
-"""Multi-LoRA on CPU: y[t] += scale(a_t) * B(a_t) @ (A(a_t) @ x[t]) for every token t, with no loop over
-adapters in Python.
+"""Multi-LoRA on CPU (the CPU backend's LoraStep): y[t] += scale(a_t) * B(a_t) @ (A(a_t) @ x[t]) for every
+token t, with no loop over adapters in Python.
 
 Tokens are grouped once per step (`LoraBatch.build`). Decode tokens (the first `num_decode`, one per
 request) go to the C kernel (kernels/cpu/lora_decode.c): one task per token that streams its adapter's
 own rank of A and B once, in fp32, so a decode token's delta never depends on who shares the step or
 its adapter. In bf16 with the AVX512-BF16 C GEMM, the GEMM computes those tokens' LoRA itself (`fused`,
-kernels/cpu/gemm_lora.c): the adapters' bytes stream in while it computes. In bf16 with AVX512-BF16 or AVX2, prefill tokens go to the segment kernel (tokens grouped by
-adapter, 4 at a time per weight load, each token still computed on its own); in bf16 on other CPUs, to
-the per-token decode kernel (torch's bf16 bmm is slow there and its result depends on the bucket's
-shape). Otherwise (fp32) prefill tokens are grouped by slot; slots are bucketed by their token count (1, <= 8, more)
-so that a bucket pads each slot's tokens to at most a few times their number, and each bucket runs as
-batched matmuls over its slots: one shrink per fused group and one expand per module, read in place
-when the bucket's tokens are one run of rows, gathered otherwise. Without a C compiler decode tokens
-take the matmul path too.
+kernels/cpu/gemm_lora.c): the adapters' bytes stream in while it computes. In bf16 with AVX512-BF16 or
+AVX2, prefill tokens go to the segment kernel (tokens grouped by adapter, 4 at a time per weight load,
+each token still computed on its own); in bf16 on other CPUs, to the per-token decode kernel (torch's
+bf16 bmm is slow there and its result depends on the bucket's shape). Otherwise (fp32) prefill tokens
+are grouped by slot; slots are bucketed by their token count (1, <= 8, more) so that a bucket pads each
+slot's tokens to at most a few times their number, and each bucket runs as batched matmuls over its
+slots: one shrink per fused group and one expand per module, read in place when the bucket's tokens are
+one run of rows, gathered otherwise. Without a C compiler decode tokens take the matmul path too.
 """
 from __future__ import annotations
 
@@ -20,10 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.lora.slots import GROUPS, LoraSlots
 from kernels.cpu import lora as c_lora
 from kernels.cpu.decoder import DecoderLora
 from kernels.cpu.gemm import GemmLora
+from kernels.cpu.slots import CpuLoraSlots as LoraSlots
+from kernels.reference.slots import GROUPS
 
 BUCKET_LIMITS = (1, 8)
 
@@ -54,10 +55,10 @@ class Bucket:
 
 
 class LoraBatch:
-    """Implements the model's LoraHook for one step."""
+    """Implements kernels.backend.LoraStep for one step."""
 
     def __init__(self, slots: LoraSlots, buckets: list[Bucket], decode: c_lora.LoraDecode | None, rank: int,
-                 modules: frozenset[str], segments: c_lora.LoraSegments | None = None,
+                 groups: set[str], segments: c_lora.LoraSegments | None = None,
                  fused_rows: c_lora.LoraRows | None = None):
         self.slots = slots
         self.buf = slots.buf
@@ -67,15 +68,15 @@ class LoraBatch:
         self.segments = segments     # prefill tokens through the C segment kernel (bf16), instead of buckets
         self.fused_rows = fused_rows  # decode tokens again, for base GEMMs that compute their LoRA (see fused)
         self.rank = rank
-        # groups no active adapter targets are skipped entirely
-        self.groups = {g for g, (_, _, mods) in GROUPS.items() if modules.intersection(mods)}
+        self.groups = groups         # groups no active adapter targets are skipped entirely
+        self._decoder_lora: DecoderLora | None | bool = False   # for_decoder(), computed once
 
     @classmethod
-    def build(cls, slots: LoraSlots, token_slots: list[int], token_adapters: list[int],
-              num_decode: int = 0) -> "LoraBatch | None":
-        """token_slots[t]: slot of token t, -1 for base-model tokens; token_adapters: the adapter ids
-        present (0 for none); the first num_decode tokens are decode tokens (one per request)."""
-        active = {a for a in token_adapters if a > 0}
+    def build(cls, slots: LoraSlots, token_slots: list[int], num_decode: int = 0) -> "LoraBatch | None":
+        """token_slots[t]: slot of token t, -1 for base-model tokens; the first num_decode tokens are
+        decode tokens (one per request)."""
+        adapter_of = slots.adapter_of_slot()
+        active = {adapter_of[s] for s in set(token_slots) if s >= 0}
         if not active:
             return None
         slot_rank = {s: slots.rank_of[a] for a, s in slots.slot_of.items()}
@@ -99,17 +100,30 @@ class LoraBatch:
             if token_slots[t] >= 0:
                 per_slot.setdefault(token_slots[t], []).append(t)
         rank = max(slots.rank_of[a] for a in active)
-        modules = frozenset().union(*(slots.modules_of[a] for a in active))
+        targeted = slots.groups_of(active)
         if per_slot and use_c_kernel(slots) and c_lora.supports_segments(slots.dtype):
-            return cls(slots, [], decode, rank, modules, _segments(per_slot, slot_rank, slots.dtype), fused_rows)
+            return cls(slots, [], decode, rank, targeted, _segments(per_slot, slot_rank, slots.dtype), fused_rows)
         groups: dict[int, list[int]] = {}
         for s, toks in sorted(per_slot.items()):
             cls_ = next((i for i, lim in enumerate(BUCKET_LIMITS) if len(toks) <= lim), len(BUCKET_LIMITS))
             groups.setdefault(cls_, []).append(s)
         buckets = [_bucket(g, per_slot) for g in groups.values()]
-        return cls(slots, buckets, decode, rank, modules, fused_rows=fused_rows)
+        return cls(slots, buckets, decode, rank, targeted, fused_rows=fused_rows)
+
+    def project(self, linear, layer: int, group: str, x: torch.Tensor) -> torch.Tensor:
+        """linear(x) plus the deltas: decode tokens' inside the C GEMM where it can (fused), the rest after."""
+        fused = self.fused(layer, group) if linear.takes_lora else None
+        y = linear(x, fused)
+        self.apply(layer, group, x, y, fused=fused is not None)
+        return y
 
     def for_decoder(self) -> DecoderLora | None:
+        """The step's adapters for the one-call C decoder, or None when some delta needs the Python path."""
+        if self._decoder_lora is False:
+            self._decoder_lora = self._for_decoder()
+        return self._decoder_lora
+
+    def _for_decoder(self) -> DecoderLora | None:
         # decode tokens inside the GEMMs, prefill tokens by segment: the C decoder runs both
         if self.buckets or (self.decode is not None and self.fused_rows is None):
             return None

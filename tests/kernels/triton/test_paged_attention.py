@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.paged_attention import paged_attention
+from kernels.triton.paged_attention import paged_attention
 from tests.kernels.cpu.test_attention import random_case, reference
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}

@@ -4,7 +4,7 @@ import pytest
 
 from engine.llm import LLM
 from engine.model.llama import LlamaModel
-from engine.sampling_params import SamplingParams
+from ipc.sampling_params import SamplingParams
 from kernels.cpu.decoder import Decoder
 from tests.peft_adapters import FIDELITY_ADAPTERS
 
@@ -37,7 +37,7 @@ def calls(monkeypatch):
 
 
 def _generate(llm, on: bool, adapter=None):
-    llm.engine.runner.model.use_c_decoder = on
+    llm.engine.runner.model.use_fused_decoder = on
     prompts = [list(range(200 + 7 * i, 200 + 7 * i + n)) for i, n in enumerate((3, 17, 40, 90, 5, 33, 61, 12, 26))]
     prompts.append("The capital of France is")
     params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True, logprobs=3, prompt_logprobs=2)
@@ -45,7 +45,7 @@ def _generate(llm, on: bool, adapter=None):
     try:
         outs = llm.generate(prompts, params, adapter=adapter)
     finally:
-        llm.engine.runner.model.use_c_decoder = True
+        llm.engine.runner.model.use_fused_decoder = True
     return [(o.token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outs]
 
 

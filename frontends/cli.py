@@ -7,11 +7,16 @@ import logging
 import sys
 
 from engine import envs
+from engine.serving.adapter_dir import register_adapter_dir
+from engine.waiting_queue import POLICIES
+from kernels.selector import BACKENDS
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a HF Llama directory")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
+    p.add_argument("--backend", default=None, choices=BACKENDS,
+                   help="compute backend: auto (default), cpu (C kernels), torch (reference), triton")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
@@ -22,34 +27,20 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in the host-memory tier")
     p.add_argument("--adapter-dir", default=None,
                    help="register every subfolder holding a PEFT adapter under the folder's name")
-    p.add_argument("--scheduling-policy", choices=("fair", "fcfs"), default=None,
+    p.add_argument("--scheduling-policy", choices=tuple(POLICIES), default=None,
                    help="fair (default): the adapter with the fewest running requests goes next; fcfs: arrival order")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    names = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "block_size", "max_model_len",
-             "max_loras", "max_lora_rank", "max_cpu_loras", "scheduling_policy")
+    names = ("backend", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "block_size",
+             "max_model_len", "max_loras", "max_lora_rank", "max_cpu_loras", "scheduling_policy")
     kw = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     return dict(model=args.model, dtype=args.dtype, **kw)
 
 
-def register_adapter_dir(engine, adapter_dir: str) -> list[str]:
-    """Register every subfolder of `adapter_dir` holding adapter_config.json, under its folder name."""
-    from pathlib import Path
-    root = Path(adapter_dir)
-    if not root.is_dir():
-        raise ValueError(f"--adapter-dir: {adapter_dir} is not a directory")
-    names = []
-    for sub in sorted(root.iterdir()):
-        if (sub / "adapter_config.json").is_file():
-            engine.register_adapter(sub.name, str(sub))
-            names.append(sub.name)
-    return names
-
-
 def _generate(args: argparse.Namespace) -> int:
     from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from ipc.sampling_params import SamplingParams
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
                             max_tokens=args.max_tokens, stop=args.stop or [], ignore_eos=args.ignore_eos)
     llm = LLM(**engine_kwargs(args))

@@ -4,7 +4,7 @@ import sys
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "engine.cli", *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "frontends.cli", *args], capture_output=True, text=True, timeout=300)
 
 
 def test_generate_chat_json_answers_paris():

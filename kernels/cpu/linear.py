@@ -20,8 +20,8 @@ def _can_pack(dtype: torch.dtype) -> bool:
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-class Linear:
-    """weight: [out, in]. Call with x: [T, in] -> [T, out] in the weight's dtype.
+class CpuLinear:
+    """kernels.backend.LinearOp. weight: [out, in]. Call with x: [T, in] -> [T, out] in the weight's dtype.
 
     kernel: "c" (gemm.c or gemm_avx2.c), "onednn", "torch", or None for the best one available."""
 

@@ -1,0 +1,180 @@
+"""The compute backend interface: everything one engine step needs from compute, and nothing else.
+
+The model (engine/model/llama.py) and the model runner call only these methods; each kind of hardware
+implements them once (kernels/reference: plain torch, the oracle; kernels/cpu: the C kernels;
+kernels/triton: the Triton kernels). `kernels.selector.select_backend` picks one. Shapes below use
+T tokens in the step, H hidden size, q = heads * head_dim, kv = kv_heads * head_dim, I intermediate size,
+S compute slots, R max LoRA rank. Every backend must give the reference backend's results within the
+per-dtype tolerances of tests/kernels/test_backends.py, and PEFT's greedy tokens in float32
+(tests/engine/test_backend_fidelity.py).
+
+Invariants every implementation keeps:
+- A token's result never depends on which other tokens share the step (no batch-shape-dependent
+  reductions), so a request's output does not depend on its neighbours.
+- Methods that update in place say so; every other method returns a new tensor or a view.
+- The KV cache of a layer is whatever view `kv_caches` returned for it: only this backend reads or
+  writes it (write_kv, attention, decoder).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from kernels.attention_metadata import AttentionMetadata
+from kernels.lora_layout import PackedLayout
+
+KVCache = tuple[torch.Tensor, torch.Tensor]   # one layer's (K, V) views of the page pool
+
+
+class ModelShape(Protocol):
+    """What a backend needs to know of the model (engine.config.ModelConfig has these)."""
+    dtype: torch.dtype
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+
+    @property
+    def q_size(self) -> int: ...
+
+    @property
+    def kv_size(self) -> int: ...
+
+
+class LinearOp(Protocol):
+    """y = x @ weight^T, weight [out, in] packed once for the backend. x: [T, in] -> y: [T, out] in the
+    weight's dtype."""
+    weight: torch.Tensor
+    in_features: int
+    out_features: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class LoraStep(Protocol):
+    """The multi-LoRA deltas of one step, built by Backend.lora_step and used for every layer.
+
+    group is one of "qkv", "o", "gate_up", "down" (the fused projections); adapter a's delta of group g
+    for token t is  scale_a * B_a @ (A_a @ x[t]), over the modules of g that a targets (zero elsewhere)."""
+
+    def project(self, linear: LinearOp, layer: int, group: str, x: torch.Tensor) -> torch.Tensor:
+        """linear(x) plus every token's adapter delta of `group` at `layer`. x: [T, in] -> [T, out]."""
+
+
+class AdapterSlots(Protocol):
+    """A backend's compute copy of the adapters that may run (the working set beside the page pool).
+
+    Pair every check with its action: `can_assign(busy)` is True iff `assign(..., busy)` will succeed. An
+    adapter in `busy` (running now) is never replaced; the least recently assigned other one may be."""
+    slot_of: dict[int, int]   # adapter id -> its slot, for every assigned adapter
+
+    def has(self, adapter_id: int) -> bool: ...
+
+    def can_assign(self, busy: set[int]) -> bool: ...
+
+    def assign(self, adapter_id: int, layout: PackedLayout, flat: torch.Tensor | None, busy: set[int]) -> int:
+        """Copy an adapter in (flat: its pages gathered in order, flattened; None when has(adapter_id));
+        returns its slot."""
+
+    def drop(self, adapter_id: int) -> None: ...
+
+
+class FusedDecoder(Protocol):
+    """All decoder layers of a step in one call, with the bits of the op-by-op loop (LlamaModel._layers)."""
+
+    def accepts(self, meta: AttentionMetadata, lora: LoraStep | None) -> bool:
+        """Whether run() takes this step (else the model runs the layers op by op)."""
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+            lora: LoraStep | None) -> torch.Tensor:
+        """x: [T, H] the embeddings, updated in place to the residual stream before the last layer's MLP
+        residual add, which is returned ([T, H]; the caller adds it). cos, sin: [T, head_dim]."""
+
+
+class Backend(ABC):
+    """One kind of compute. Built once per engine for one model shape (its dtype included) and device."""
+    name: str = "abstract"
+
+    def __init__(self, shape: ModelShape, device: torch.device | str = "cpu"):
+        self.shape = shape
+        self.dtype = shape.dtype
+        self.device = torch.device(device)
+
+    # -- memory layout ---------------------------------------------------------------------------------
+    def kv_caches(self, storage: torch.Tensor, num_layers: int, block_size: int, kv_heads: int,
+                  head_dim: int) -> list[KVCache]:
+        """Per-layer (K, V) views of the page pool storage [num_pages, page_elems]. A page holds one block of
+        every layer, [layers, 2 (K, V), block_size * kv_heads * head_dim]. Default: the row layout, K and V
+        [num_pages, block_size, kv_heads, head_dim]."""
+        n = storage.shape[0]
+        paged = storage.view(n, num_layers, 2, block_size, kv_heads, head_dim)
+        return [(paged[:, i, 0], paged[:, i, 1]) for i in range(num_layers)]
+
+    @property
+    def every_token_a_row(self) -> bool:
+        """True when attention takes every token of the step as one query row over its own prefix (the
+        model runner then puts no PrefillSeq in the metadata: see AttentionMetadata)."""
+        return False
+
+    # -- the base model -------------------------------------------------------------------------------
+    @abstractmethod
+    def linear(self, weight: torch.Tensor) -> LinearOp:
+        """Pack weight [out, in] (the model dtype) once for this backend's GEMM."""
+
+    @abstractmethod
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """weight * rms_norm(x.float(), eps).to(x.dtype), as Hugging Face Llama. x: [T, H] -> [T, H]."""
+
+    @abstractmethod
+    def add_rms_norm(self, x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x += d in place (the residual stream), then rms_norm(x). x, d: [T, H] -> [T, H]."""
+
+    @abstractmethod
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up = [gate | up]: [T, 2I] -> [T, I]."""
+
+    @abstractmethod
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding (rotate-half form): x [T, heads, d]; cos, sin [T, d] -> rotated [T, heads, d].
+        May rotate x in place and return it (x is a view of the step's own qkv)."""
+
+    @abstractmethod
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        """k, v: [T, kv_heads, d] -> the cache slots (meta.slot_page, meta.slot_offset) of the step's tokens."""
+
+    @abstractmethod
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float) -> torch.Tensor:
+        """Causal attention over the paged cache, the step's new K/V already written: q [T, heads, d] ->
+        [T, heads, d]; query heads share KV heads in groups (GQA)."""
+
+    # -- multi-LoRA -------------------------------------------------------------------------------------
+    @abstractmethod
+    def lora_slots(self, num_slots: int, max_rank: int, shape: ModelShape) -> AdapterSlots:
+        """The adapters' compute working set: num_slots adapters of rank <= max_rank."""
+
+    @abstractmethod
+    def lora_step(self, slots: AdapterSlots, token_slots: Sequence[int], num_decode: int) -> LoraStep | None:
+        """The step's LoRA: token_slots[t] is token t's slot (-1: the base model); the first num_decode
+        tokens are decode tokens (one per request). None when no token has an adapter."""
+
+    # -- optional fusions -------------------------------------------------------------------------------
+    def decoder(self, shape: ModelShape, layers: Sequence, kv_caches: list[KVCache]) -> FusedDecoder | None:
+        """A fused whole-step decoder over these layers (engine.model.weights.LayerWeights, built with
+        this backend's linear) and caches, or None (the default: layers run op by op)."""
+        return None
+
+    # -- sampling ---------------------------------------------------------------------------------------
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, vocab] (any float dtype) -> [B] int64 index of each row's largest value (the first
+        one on ties)."""
+        return logits.argmax(dim=-1)
+
+

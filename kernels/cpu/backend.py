@@ -1,0 +1,100 @@
+"""The CPU backend: the C kernels of this package where they cover the dtype and shapes, the reference
+backend's torch ops elsewhere (per op, decided once).
+
+bf16 on AVX512-BF16: packed GEMM with decode tokens' LoRA inside it, KV in the paired layout that
+vdpbf16ps reads, and the one-call decoder (decoder.c). bf16 on AVX2 + FMA: the fp32-compute GEMM and
+LoRA kernels, KV in rows. float32: C attention, elementwise ops and LoRA decode kernel over torch GEMMs.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels.attention_metadata import AttentionMetadata
+from kernels.backend import KVCache, ModelShape
+from kernels.cpu import attention as c_attention
+from kernels.cpu import elementwise
+from kernels.cpu.decoder import Decoder
+from kernels.cpu.linear import CpuLinear
+from kernels.cpu.lora_batch import LoraBatch
+from kernels.cpu.slots import CpuLoraSlots
+from kernels.reference.backend import TorchBackend
+
+
+class CpuBackend(TorchBackend):
+    name = "cpu"
+
+    def __init__(self, shape: ModelShape, device: torch.device | str = "cpu"):
+        super().__init__(shape, device)
+        self.fused_ops = elementwise.supports(self.dtype)
+        # every token one query row of the C kernel; else SDPA over gathered blocks
+        self.c_attention = c_attention.supports(self.dtype) and c_attention.fits(shape.num_heads, shape.head_dim)
+        self.paired_kv = False          # set by kv_caches: bf16 K/V in the pairs vdpbf16ps reads
+
+    @staticmethod
+    def available() -> bool:
+        """Whether any C kernel runs here (a compiler, and not disabled)."""
+        return elementwise.supports(torch.float32)
+
+    # -- memory layout ---------------------------------------------------------------------------------
+    def kv_caches(self, storage, num_layers, block_size, kv_heads, head_dim) -> list[KVCache]:
+        self.paired_kv = self.c_attention and c_attention.paired_supported(self.dtype, head_dim, block_size)
+        if self.paired_kv:
+            return c_attention.paired_views(storage, num_layers, block_size, kv_heads, head_dim)
+        return super().kv_caches(storage, num_layers, block_size, kv_heads, head_dim)
+
+    @property
+    def every_token_a_row(self) -> bool:
+        return self.c_attention
+
+    # -- the base model --------------------------------------------------------------------------------
+    def linear(self, weight: torch.Tensor) -> CpuLinear:
+        return CpuLinear(weight)
+
+    def rms_norm(self, x, weight, eps):
+        return elementwise.rms_norm(x, weight, eps) if self.fused_ops else super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, d, weight, eps):
+        if self.fused_ops:
+            return elementwise.add_rms_norm(x, d, weight, eps)
+        return super().add_rms_norm(x, d, weight, eps)
+
+    def silu_mul(self, gate_up):
+        return elementwise.silu_mul(gate_up) if self.fused_ops else super().silu_mul(gate_up)
+
+    def rope(self, x, cos, sin):
+        # in place: x is a view of this step's fused qkv
+        return elementwise.rope_(x, cos, sin) if self.fused_ops else super().rope(x, cos, sin)
+
+    def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
+        if self.paired_kv:
+            c_attention.write_kv_paired(k_cache, v_cache, k, v, meta.slot_page, meta.slot_offset)
+        elif self.fused_ops:
+            elementwise.write_kv(k_cache, v_cache, k, v, meta.slot_page, meta.slot_offset)
+        else:
+            super().write_kv(k_cache, v_cache, k, v, meta)
+
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        if not self.c_attention:
+            return super().attention(q, k_cache, v_cache, meta, scale)
+        assert not meta.prefills and meta.num_decode == q.shape[0], "the C kernel takes every token as a row"
+        kernel = c_attention.paired_attention if self.paired_kv else c_attention.decode_attention
+        return kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, scale)
+
+    # -- multi-LoRA ------------------------------------------------------------------------------------
+    def lora_slots(self, num_slots: int, max_rank: int, shape: ModelShape) -> CpuLoraSlots:
+        return CpuLoraSlots(num_slots, max_rank, shape)
+
+    def lora_step(self, slots: CpuLoraSlots, token_slots: Sequence[int], num_decode: int) -> LoraBatch | None:
+        return LoraBatch.build(slots, list(token_slots), num_decode)
+
+    def decoder(self, shape, layers, kv_caches) -> Decoder | None:
+        return Decoder.create(shape, layers, kv_caches) if self.paired_kv else None
+
+    # -- sampling --------------------------------------------------------------------------------------
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """bf16 rows through the C kernel, which reads them once (no fp32 copy)."""
+        if logits.dtype == torch.bfloat16 and logits.stride(-1) == 1 and elementwise.supports(torch.bfloat16):
+            return elementwise.argmax(logits)
+        return logits.argmax(dim=-1)

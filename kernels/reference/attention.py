@@ -1,0 +1,70 @@
+"""Paged attention in plain torch: SDPA over K/V blocks gathered through the block tables (row layout:
+K, V [num_pages, block_size, kv_heads, head_dim])."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention_metadata import AttentionMetadata
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             meta: AttentionMetadata) -> None:
+    """k, v: [T, kv_heads, head_dim] -> the cache slots of the step's tokens."""
+    k_cache[meta.slot_page, meta.slot_offset] = k
+    v_cache[meta.slot_page, meta.slot_offset] = v
+
+
+def gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[B, nb] block table -> [B, kv_heads, nb * block_size, head_dim] (a copy)."""
+    b, nb = block_table.shape
+    _, bs, kvh, d = cache.shape
+    # NOTE: index_select is several times faster than advanced indexing on a strided view.
+    x = torch.index_select(cache, 0, block_table.flatten())     # [B * nb, bs, kvh, d]
+    return x.view(b, nb * bs, kvh, d).transpose(1, 2)
+
+
+def decode_mask(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """[D, 1, 1, max_blocks * block_size] additive mask of the decode rows (built once a step)."""
+    if meta.decode_mask is None:
+        width = meta.decode_block_tables.shape[1] * block_size
+        visible = torch.arange(width)[None, :] < meta.decode_lens[:, None]
+        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+        meta.decode_mask = mask[:, None, None, :]
+    return meta.decode_mask
+
+
+def decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+    """The first meta.num_decode rows of q [T, heads, d], each over its own prefix -> [D, heads, d]."""
+    d = meta.num_decode
+    kvh, head_dim = k_cache.shape[-2:]
+    # The query heads sharing a KV head act as that head's "query rows": [D, kvh, group, d].
+    qd = q[:d].view(d, kvh, -1, head_dim)
+    k = gather(k_cache, meta.decode_block_tables)          # [D, kvh, L, d]
+    v = gather(v_cache, meta.decode_block_tables)
+    mask = decode_mask(meta, k_cache.shape[1], q.dtype)
+    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
+    return o.reshape(d, -1, head_dim)
+
+
+def prefill_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float, out: torch.Tensor) -> None:
+    """Every PrefillSeq's queries, causal over its context, written into out [T, heads, d]."""
+    for p in meta.prefills:
+        qp = q[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)          # [1, heads, n, d]
+        k = gather(k_cache, p.block_table[None])[:, :, : p.ctx_len]     # [1, kvh, ctx, d]
+        v = gather(v_cache, p.block_table[None])[:, :, : p.ctx_len]
+        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, is_causal=p.mask is None,
+                                           scale=scale, enable_gqa=True)
+        out[p.q_start:p.q_end] = o.squeeze(0).transpose(0, 1)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> torch.Tensor:
+    """q: [T, heads, head_dim] -> out: [T, heads, head_dim]."""
+    out = torch.empty_like(q)
+    if meta.num_decode:
+        out[:meta.num_decode] = decode_rows(q, k_cache, v_cache, meta, scale)
+    prefill_rows(q, k_cache, v_cache, meta, scale, out)
+    return out

@@ -1,0 +1,56 @@
+"""The Triton backend: Triton kernels where this package has them (paged attention over block tables,
+every token one query row), the reference backend's torch ops for the rest. On a CPU it runs only under
+the Triton interpreter (TRITON_INTERPRET=1, set before triton is imported): slow, for tests.
+
+The multi-LoRA step still runs the reference backend's dense slots; the SGMV / BGMV kernels of
+lora_ops.py, which read adapters in place in the pool's pages, are not wired in yet.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.attention_metadata import AttentionMetadata
+from kernels.backend import ModelShape
+from kernels.reference.backend import TorchBackend
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+class TritonBackend(TorchBackend):
+    name = "triton"
+
+    def __init__(self, shape: ModelShape, device: torch.device | str = "cpu"):
+        super().__init__(shape, device)
+        if not self.runs_on(self.device):
+            raise ValueError(f"backend 'triton': needs a CUDA device, or TRITON_INTERPRET=1 on {self.device}")
+        if not _pow2(shape.head_dim):
+            raise ValueError(f"backend 'triton': head_dim {shape.head_dim} is not a power of two")
+        from kernels.triton import paged_attention  # NOTE: imports triton, after TRITON_INTERPRET is set
+        self._paged_attention = paged_attention.paged_attention
+
+    @staticmethod
+    def runs_on(device: torch.device) -> bool:
+        """Whether Triton kernels can run on `device` in this process."""
+        if device.type == "cuda":
+            return torch.cuda.is_available()
+        return os.environ.get("TRITON_INTERPRET") == "1" and _importable()
+
+    @property
+    def every_token_a_row(self) -> bool:
+        return True
+
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        assert not meta.prefills and meta.num_decode == q.shape[0], "every token is a row here"
+        return self._paged_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, scale)
+
+
+def _importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

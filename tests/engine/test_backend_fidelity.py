@@ -1,0 +1,59 @@
+"""The whole engine on every backend that runs here: a tiny random Llama (2 layers) with four PEFT adapters
+of mixed ranks, targets, rsLoRA and rank_pattern, in one batch with base requests; greedy float32 tokens
+equal to transformers + PEFT's."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from engine.llm import LLM
+from ipc.sampling_params import SamplingParams
+from tests.engine.lora.test_fidelity import peft_greedy
+from tests.kernels.backends import available_backends
+from tests.peft_adapters import make_adapters
+
+TINY_ADAPTERS = {
+    "t-r3-qv": dict(r=3, lora_alpha=6, target_modules=["q_proj", "v_proj"]),
+    "t-r8-all": dict(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                          "up_proj", "down_proj"]),
+    "t-r16-rslora": dict(r=16, lora_alpha=8, use_rslora=True, target_modules=["o_proj", "down_proj", "k_proj"]),
+    "t-r5-pattern": dict(r=5, lora_alpha=10, target_modules=["q_proj", "up_proj", "gate_proj"],
+                         rank_pattern={"up_proj": 12}, alpha_pattern={"gate_proj": 3}),
+}
+PROMPTS = [[1, 4093, 314, 253, 1345, 282, 2716, 30], list(range(300, 341)), [5, 6, 7], list(range(900, 917))]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, model_dir):
+    """A random 2-layer Llama (the default model's tokenizer) and its adapters; the PeftModel oracle."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    d = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(d / "model")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / f, d / "model" / f)
+    oracle = make_adapters(model, d / "adapters", TINY_ADAPTERS, seed=3, std=0.4)
+    return d, oracle
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_greedy_tokens_match_peft_on_every_backend(backend, tiny):
+    d, oracle = tiny
+    llm = LLM(model=str(d / "model"), dtype="float32", backend=backend, max_num_batched_tokens=32,
+              long_prefill_token_threshold=24, kv_cache_memory_bytes=1 << 22, block_size=16)
+    assert llm.engine.runner.backend.name == backend
+    for name in TINY_ADAPTERS:
+        llm.register_adapter(name, str(d / "adapters" / name))
+    jobs = [(name, PROMPTS[i % len(PROMPTS)]) for i, name in enumerate([*TINY_ADAPTERS, None, None])]
+    outs = llm.generate([ids for _, ids in jobs], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        adapter=[name for name, _ in jobs])
+    got = [o.token_ids for o in outs]
+    want = [peft_greedy(oracle, name, ids, 8) for name, ids in jobs]
+    assert got == want
+    assert sum(g != peft_greedy(oracle, None, ids, 8) for g, (name, ids) in zip(got, jobs) if name) >= 3

@@ -1,0 +1,162 @@
+"""Conformance: every op of every backend that runs here against the reference (torch) backend, with
+per-dtype tolerances (kernels/backend.py documents each op)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.attention_metadata import AttentionMetadata, PrefillSeq
+from kernels.lora_layout import ModuleSlice, PackedLayout
+from tests.kernels.backends import SHAPE, TOL, available_backends, backend
+
+BACKENDS = [b for b in available_backends() if b != "torch"]
+DTYPES = [torch.float32, torch.bfloat16]
+pytestmark = pytest.mark.skipif(not BACKENDS, reason="only the reference backend runs here")
+
+
+def randn(*shape, dtype, seed=0, scale=1.0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+
+
+def close(got, want, dtype):
+    torch.testing.assert_close(got.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_linear(name, dtype, rows):
+    w, x = randn(96, 128, dtype=dtype, scale=0.1), randn(rows, 128, dtype=dtype, seed=1)
+    close(backend(name, dtype).linear(w)(x), backend("torch", dtype).linear(w)(x), dtype)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_elementwise(name, dtype):
+    b, ref = backend(name, dtype), backend("torch", dtype)
+    x, d, w = randn(9, 128, dtype=dtype), randn(9, 128, dtype=dtype, seed=1), randn(128, dtype=dtype, seed=2)
+    close(b.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), dtype)
+    x1, x2 = x.clone(), x.clone()
+    close(b.add_rms_norm(x1, d, w, 1e-6), ref.add_rms_norm(x2, d, w, 1e-6), dtype)
+    close(x1, x2, dtype)                                             # the residual stream, in place
+    gu = randn(9, 2 * 192, dtype=dtype, seed=3)
+    close(b.silu_mul(gu), ref.silu_mul(gu), dtype)
+    qk = randn(9, 6, 32, dtype=dtype, seed=4)
+    cos, sin = randn(9, 32, dtype=dtype, seed=5), randn(9, 32, dtype=dtype, seed=6)
+    close(b.rope(qk.clone(), cos, sin), ref.rope(qk.clone(), cos, sin), dtype)
+    logits = randn(5, 1000, dtype=dtype, seed=7)
+    assert torch.equal(b.argmax(logits), ref.argmax(logits))
+
+
+def _chunk_mask(start: int, n: int) -> torch.Tensor | None:
+    if start == 0:
+        return None
+    return torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
+
+
+def make_meta(seqs, tables, bs, every_token_a_row) -> AttentionMetadata:
+    """seqs: (computed tokens, new tokens) per request, decodes (1 new token) first; tables: their pages."""
+    pages, offs, dec_tables, counts, dec_lens, prefills, q = [], [], [], [], [], [], 0
+    for (start, n), table in zip(seqs, tables):
+        end = start + n
+        pages += [table[p // bs] for p in range(start, end)]
+        offs += [p % bs for p in range(start, end)]
+        used = table[: -(-end // bs)]
+        if n == 1 or every_token_a_row:
+            dec_tables.append(used)
+            counts.append(n)
+            dec_lens += range(start + 1, end + 1)
+        else:
+            prefills.append(PrefillSeq(q, q + n, end, torch.tensor(used), _chunk_mask(start, n)))
+        q += n
+    meta = AttentionMetadata(torch.tensor(pages), torch.tensor(offs), len(dec_lens), None, None, prefills)
+    if dec_tables:
+        width = max(len(t) for t in dec_tables)
+        padded = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables])
+        meta.decode_block_tables = padded.repeat_interleave(torch.tensor(counts), 0)
+        meta.decode_lens = torch.tensor(dec_lens)
+    return meta
+
+
+def run_attention(b, dtype, steps, tables, bs=16, pages=24, layers=2):
+    """Write each step's K/V through the backend and attend: the outputs of every step of layer 1."""
+    s = SHAPE
+    storage = torch.zeros(pages, layers * 2 * bs * s.num_kv_heads * s.head_dim, dtype=dtype)
+    k_cache, v_cache = b.kv_caches(storage, layers, bs, s.num_kv_heads, s.head_dim)[1]
+    outs = []
+    for i, seqs in enumerate(steps):
+        t = sum(n for _, n in seqs)
+        q = randn(t, s.num_heads, s.head_dim, dtype=dtype, seed=10 * i)
+        k = randn(t, s.num_kv_heads, s.head_dim, dtype=dtype, seed=10 * i + 1)
+        v = randn(t, s.num_kv_heads, s.head_dim, dtype=dtype, seed=10 * i + 2)
+        meta = make_meta(seqs, tables, bs, b.every_token_a_row)
+        b.write_kv(k_cache, v_cache, k, v, meta)
+        outs.append(b.attention(q, k_cache, v_cache, meta, s.head_dim ** -0.5))
+    return outs
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_and_attention_over_chunked_prefill_and_decode(name, dtype):
+    """Three requests over scattered pages: whole prompts, then a decode, a decode and a prompt's second
+    chunk in one step, then decodes."""
+    tables = [[5, 17, 2], [9, 0, 21, 3], [12, 7, 19]]
+    steps = [[(0, 20), (0, 33), (0, 9)], [(20, 1), (33, 1), (9, 14)], [(21, 1), (34, 1), (23, 1)]]
+    for got, want in zip(run_attention(backend(name, dtype), dtype, steps, tables),
+                         run_attention(backend("torch", dtype), dtype, steps, tables)):
+        close(got, want, dtype)
+
+
+GROUP_MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+                 "down": ("down_proj",)}
+
+
+def random_adapter(rank, modules, seed, dtype):
+    """A PackedLayout over SHAPE's projections and its flat pages (the adapter loader's contract)."""
+    s = SHAPE
+    dims = {"q_proj": (s.hidden_size, s.q_size), "k_proj": (s.hidden_size, s.kv_size),
+            "v_proj": (s.hidden_size, s.kv_size), "o_proj": (s.q_size, s.hidden_size),
+            "gate_proj": (s.hidden_size, s.intermediate_size), "up_proj": (s.hidden_size, s.intermediate_size),
+            "down_proj": (s.intermediate_size, s.hidden_size)}
+    slices, off = {}, 0
+    for layer in range(s.num_layers):
+        for m in sorted(modules):
+            n_in, n_out = dims[m]
+            slices[(layer, m)] = ModuleSlice(off, off + rank * n_in, rank, n_in, n_out, 2.0 / rank)
+            off += rank * (n_in + n_out)
+    return PackedLayout(slices, off), randn(off, dtype=dtype, seed=seed, scale=0.2)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("spread", ["decode-distinct", "mixed", "one-adapter", "base-only"])
+def test_lora_step_projects_like_the_reference(name, dtype, spread):
+    """Adapters of ranks 1-16 (one odd, one above the others' groups) with different targets, spread over
+    decode tokens and prefill chunks next to base tokens; each group's projection plus its deltas."""
+    adapters = {1: (4, ALL), 2: (16, ("q_proj", "v_proj")), 3: (1, ("down_proj", "o_proj")),
+                4: (7, ("gate_proj", "up_proj", "k_proj"))}
+    token_adapters = {"decode-distinct": [1, 2, 3, 4, 0, 2],
+                      "mixed": [3, 0, 1, 4] + [2] * 9 + [0] * 3 + [1] * 17 + [4] * 2,
+                      "one-adapter": [2] * 12, "base-only": [0] * 5}[spread]
+    num_decode = 4 if spread in ("decode-distinct", "mixed") else 0
+    results = []
+    for b in (backend(name, dtype), backend("torch", dtype)):
+        slots = b.lora_slots(4, 16, b.shape)
+        for aid, (rank, mods) in adapters.items():
+            layout, flat = random_adapter(rank, mods, aid, dtype)
+            slots.assign(aid, layout, flat, busy=set())
+        token_slots = [slots.slot_of[a] if a else -1 for a in token_adapters]
+        step = b.lora_step(slots, token_slots, num_decode)
+        assert (step is None) == (spread == "base-only")
+        outs = []
+        for group, (n_in, n_out) in {"qkv": (128, 128 + 2 * 64), "o": (128, 128), "gate_up": (128, 384),
+                                     "down": (192, 128)}.items():
+            lin = b.linear(randn(n_out, n_in, dtype=dtype, seed=50, scale=0.1))
+            x = randn(len(token_slots), n_in, dtype=dtype, seed=51)
+            outs.append(lin(x) if step is None else step.project(lin, 1, group, x))
+        results.append(outs)
+    for got, want in zip(*results):
+        close(got, want, dtype)
+
+
+ALL = tuple(m for mods in GROUP_MODULES.values() for m in mods)
