@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: setup serve test bench clean
+.PHONY: setup serve test bench clean gpu-check
 
 setup: $(STAMP)
 
@@ -31,3 +31,12 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# On a machine with a CUDA GPU: the backend tests without the Triton interpreter, the fidelity tests on
+# CUDA, the engine and multi-LoRA benchmarks with --device cuda; everything printed goes to GPU_CHECK_OUT.
+GPU_CHECK_OUT ?= gpu-check.txt
+gpu-check: $(STAMP)
+	$(BIN)/python -c "import torch; assert torch.cuda.is_available(), 'gpu-check needs a CUDA device'; print(torch.cuda.get_device_name())" | tee $(GPU_CHECK_OUT)
+	TRITON_INTERPRET=0 LORAPLEX_TEST_DEVICE=cuda $(BIN)/python -m pytest -q tests/kernels/test_backends.py tests/kernels/triton tests/engine/test_backend_fidelity.py 2>&1 | tee -a $(GPU_CHECK_OUT)
+	TRITON_INTERPRET=0 $(BIN)/python -m bench.bench_engine --device cuda --repeats 3 2>&1 | tee -a $(GPU_CHECK_OUT)
+	TRITON_INTERPRET=0 $(BIN)/python -m bench.bench_lora --device cuda 2>&1 | tee -a $(GPU_CHECK_OUT)

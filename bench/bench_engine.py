@@ -63,7 +63,7 @@ def engine_side(args, prompts):
     from engine.llm import LLM
     from ipc.sampling_params import SamplingParams
     llm = LLM(dtype=args.dtype, max_num_seqs=args.num, max_num_batched_tokens=args.max_batched_tokens,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, device=args.device, backend=args.backend)
     params = SamplingParams(temperature=0, max_tokens=args.out_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))   # warm-up
 
@@ -78,6 +78,11 @@ def engine_side(args, prompts):
     return llm, run
 
 
+def llm_device(args) -> torch.device:
+    from kernels.selector import resolve_device
+    return resolve_device(args.device)
+
+
 def hf_side(args, prompts):
     """transformers' batched generate on the same weights and dtype -> run() as engine_side's."""
     from transformers import AutoModelForCausalLM
@@ -85,8 +90,9 @@ def hf_side(args, prompts):
     from engine.model.resolve import resolve_model
     path, _ = resolve_model("default")
     dtype = getattr(torch, args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    ids = torch.tensor(prompts)
+    device = llm_device(args)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval().to(device)
+    ids = torch.tensor(prompts, device=device)
     kw = dict(do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(ids))
     with torch.no_grad():
         model.generate(ids[:2], max_new_tokens=4, **{**kw, "attention_mask": torch.ones_like(ids[:2])})
@@ -113,6 +119,8 @@ def main() -> None:
                    help="runs of each side, alternated; the best of each is compared (this machine's speed "
                         "drifts within minutes)")
     p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (both sides)")
+    p.add_argument("--backend", default="auto", help="the engine's compute backend")
     args = p.parse_args()
     prompts = make_prompts(args.num, args.prompt_len, 49152)
     print(f"{args.num} requests x ({args.prompt_len} prompt + {args.out_len} new tokens), {args.dtype}, "
@@ -125,6 +133,12 @@ def main() -> None:
         if theirs_run is not None:
             theirs.append(theirs_run())
     n = args.num * args.out_len
+    print(f"  device {llm.engine.runner.device}, backend {llm.engine.runner.backend.name}")
+    if llm.engine.runner.device.type != "cpu":
+        if theirs:
+            print(f"ratio        : {max(ours) / max(theirs):.2f}x transformers ({max(ours):.1f} vs {max(theirs):.1f} "
+                  "tok/s, the best of each)")
+        return
     bound = gemm_bound(args, llm.engine.runner.model.w)
     print(f"  the base GEMMs alone take ~{bound:.2f} s (timed separately): a run of nothing but GEMMs would "
           f"give {n / bound:.1f} tok/s")

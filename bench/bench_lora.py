@@ -55,6 +55,7 @@ def experiment_a(args, work: Path) -> None:
     cfg = EngineConfig.create(dtype=args.dtype).model
     dirs = [write_peft_adapter(work / f"a{i}", cfg, rank, ALL, seed=i) for i in range(n)]
     llm = LLM(dtype=args.dtype, max_num_seqs=n, max_loras=n, max_lora_rank=rank, max_num_batched_tokens=2048,
+              device=args.device, backend=args.backend,
               enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30)
     for i, d in enumerate(dirs):
         llm.register_adapter(f"a{i}", str(d))
@@ -109,7 +110,8 @@ def experiment_b(args, work: Path) -> None:
     picks = torch.multinomial(zipf / zipf.sum(), n_requests, replacement=True, generator=g).tolist()
     prompts = prompts_for(n_requests, args.prompt_len, seed=2)
     llm = LLM(dtype=args.dtype, max_num_seqs=args.concurrency, max_loras=args.concurrency, max_lora_rank=16,
-              max_num_batched_tokens=2048, enable_prefix_caching=False, scheduling_policy=args.scheduling_policy,
+              max_num_batched_tokens=2048, device=args.device, backend=args.backend, enable_prefix_caching=False,
+              scheduling_policy=args.scheduling_policy,
               kv_cache_memory_bytes=(kv_pages + adapter_pages) * page_bytes)
     for i, d in enumerate(dirs):
         llm.register_adapter(f"b{i}", str(d))
@@ -138,6 +140,8 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="alternated runs of each side")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--workdir", default=None, help="where to write adapters (kept for reuse)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--backend", default="auto", help="the engine's compute backend")
     p.add_argument("--scheduling-policy", default="fair", choices=["fair", "fcfs"], help="(b): the engine's policy")
     args = p.parse_args()
     work = Path(args.workdir or Path(tempfile.gettempdir()) / "loraplex-bench-adapters")

@@ -140,10 +140,12 @@ class EngineConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)
     seed: int = 0
     backend: str = "auto"     # the compute backend (kernels/selector.py): auto, torch, cpu or triton
+    device: str = "auto"      # auto (CUDA when torch sees one), cpu or cuda
 
     @classmethod
     def create(cls, model: str = "default", dtype: str | torch.dtype = "bfloat16",
-               max_model_len: int | None = None, seed: int = 0, backend: str = "auto", **kwargs) -> "EngineConfig":
+               max_model_len: int | None = None, seed: int = 0, backend: str = "auto", device: str = "auto",
+               **kwargs) -> "EngineConfig":
         """Build from flat keyword arguments; unknown names raise a ValueError naming them."""
         from engine.model.resolve import resolve_model
         path, name = resolve_model(model)
@@ -155,7 +157,7 @@ class EngineConfig:
             raise ValueError(f"unknown engine argument(s): {', '.join(sorted(kwargs))}")
         model_cfg = ModelConfig.from_dir(path, parse_dtype(dtype), name, max_model_len)
         cfg = cls(model=model_cfg, cache=parts[CacheConfig], scheduler=parts[SchedulerConfig],
-                  lora=parts[LoraConfig], seed=seed, backend=backend)
+                  lora=parts[LoraConfig], seed=seed, backend=backend, device=device)
         cfg.validate()
         return cfg
 
@@ -168,7 +170,8 @@ class EngineConfig:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         from engine.waiting_queue import policy_class
-        from kernels.selector import BACKENDS
+        from kernels.selector import BACKENDS, resolve_device
         policy_class(s.scheduling_policy)
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        resolve_device(self.device)

@@ -53,9 +53,13 @@ class ModelRunner:
         m = cfg.model
         self.block_size = cfg.cache.block_size
         configure_cpu_kernels(envs.cache_dir(), envs.cpu_kernels_enabled())
-        self.backend = select_backend(cfg.backend, m, "cpu")
+        self.backend = select_backend(cfg.backend, m, cfg.device)
+        self.device = self.backend.device
         self.model = LlamaModel(m, load_weights(m, self.backend), self.backend, envs.c_decoder())
-        self.storage = huge_zeros(num_pages, page_elems(cfg), dtype=m.dtype, populate=True)
+        if self.device.type == "cpu":
+            self.storage = huge_zeros(num_pages, page_elems(cfg), dtype=m.dtype, populate=True)
+        else:
+            self.storage = torch.zeros(num_pages, page_elems(cfg), dtype=m.dtype, device=self.device)
         self.sampler = Sampler(cfg.seed, self.backend.argmax)
         self.kv_caches = self.backend.kv_caches(self.storage, m.num_layers, self.block_size, m.num_kv_heads,
                                                 m.head_dim)
@@ -99,15 +103,17 @@ class ModelRunner:
             counts = torch.tensor(decode_counts)
             meta.decode_block_tables = tables if bool((counts == 1).all()) else tables.repeat_interleave(counts, 0)
             meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long)
-        return ForwardInput(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta,
-                            torch.tensor(logits_idx, dtype=torch.long), sample_rows, prompt_rows, prompt_targets)
+        inp = ForwardInput(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta,
+                           torch.tensor(logits_idx, dtype=torch.long), sample_rows, prompt_rows, prompt_targets)
+        return inp if self.device.type == "cpu" else _to_device(inp, self.device)
 
     def execute(self, out: SchedulerOutput, lora: LoraStep | None = None) -> ModelOutput:
         """Run one step: the tokens sampled for rows that finished their chunk, and their logprobs."""
         inp = self.prepare(out)
         if inp.prompt_rows:
             logits, hidden = self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches,
-                                                inp.logits_indices, lora, torch.tensor(inp.prompt_rows))
+                                                inp.logits_indices, lora,
+                                                torch.tensor(inp.prompt_rows, device=self.device))
             self._prompt_logprobs(hidden, inp.prompt_targets)
         else:
             logits = self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches,
@@ -130,7 +136,7 @@ class ModelRunner:
         for lo in range(0, len(targets), PROMPT_LOGITS_ROWS):
             part = targets[lo:lo + PROMPT_LOGITS_ROWS]
             lp = self.model.logits_of(hidden[lo:lo + len(part)]).log_softmax(-1)
-            tokens = torch.tensor([req.prompt_token_ids[i] for req, i in part])
+            tokens = torch.tensor([req.prompt_token_ids[i] for req, i in part], device=lp.device)
             chosen = lp.gather(1, tokens[:, None]).squeeze(1).tolist()
             k = max(req.params.prompt_logprobs for req, _ in part)
             top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
@@ -149,6 +155,20 @@ def _history(r) -> History:
     stops = tuple(r.params.stop_token_ids) + (() if r.params.ignore_eos else tuple(r.eos_token_ids))
     return History(r.prompt_token_ids[:cut], r.prompt_token_ids[cut:] + r.output_token_ids, stops,
                    len(r.output_token_ids))
+
+
+def _to_device(inp: ForwardInput, device: torch.device) -> ForwardInput:
+    """The step's tensors, built on the host, copied to the device in one pass (non-blocking)."""
+    def move(t):
+        return None if t is None else t.to(device, non_blocking=True)
+    m = inp.meta
+    for name in ("slot_page", "slot_offset", "decode_block_tables", "decode_lens"):
+        setattr(m, name, move(getattr(m, name)))
+    for p in m.prefills:
+        p.block_table, p.mask = move(p.block_table), move(p.mask)
+    inp.input_ids, inp.positions = move(inp.input_ids), move(inp.positions)
+    inp.logits_indices = move(inp.logits_indices)
+    return inp
 
 
 def _chunk_mask(start: int, n: int) -> torch.Tensor | None:

@@ -57,8 +57,10 @@ class Sampler:
         if not rows:
             return out
         # one uniform per sampled row, drawn in row order from that row's generator
+        # NOTE: drawn from seeded host generators, then moved: the same numbers on every device
         u = torch.cat([torch.rand(1, generator=self._generator(request_ids[i], params[i])) for i in rows])
-        temps = torch.tensor([params[i].temperature for i in rows])
+        u = u.to(logits.device)
+        temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)
         probs = (logits[rows].float() / temps[:, None]).softmax(-1)
         for j, i in enumerate(rows):
             if params[i].top_k > 0 or params[i].top_p < 1.0:
@@ -80,15 +82,16 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams],
     for i in rows:
         p, (prompt, output, stop_ids, generated), row = params[i], history[i], logits[i]
         if (len(output) if generated is None else generated) < p.min_tokens and stop_ids:
-            row[torch.tensor(stop_ids)] = float("-inf")
+            row[torch.tensor(stop_ids, device=row.device)] = float("-inf")
         if p.logit_bias:
-            row.index_add_(0, torch.tensor(list(p.logit_bias)), torch.tensor(list(p.logit_bias.values())))
+            row.index_add_(0, torch.tensor(list(p.logit_bias), device=row.device),
+                           torch.tensor(list(p.logit_bias.values()), device=row.device))
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long)
+            seen = torch.tensor(sorted(set(prompt) | set(output)), dtype=torch.long, device=row.device)
             v = row[seen]
             row[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
         if output and (p.frequency_penalty or p.presence_penalty):
-            ids, counts = torch.tensor(output).unique(return_counts=True)
+            ids, counts = torch.tensor(output, device=row.device).unique(return_counts=True)
             row.index_add_(0, ids, -(p.frequency_penalty * counts.float() + p.presence_penalty))
     return logits
 
@@ -103,7 +106,7 @@ def logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParam
     lp = logits[rows].float().log_softmax(-1)                                   # [R, vocab]
     k = max(params[i].logprobs for i in rows)
     top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows])).squeeze(1).tolist()
+    chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=lp.device)).squeeze(1).tolist()
     for j, i in enumerate(rows):
         n = params[i].logprobs
         out[i] = TokenLogprobs(tokens[i], chosen[j], top_i[j, :n].tolist(), top_v[j, :n].tolist())

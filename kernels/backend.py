@@ -68,18 +68,20 @@ class LoraStep(Protocol):
 
 
 class AdapterSlots(Protocol):
-    """A backend's compute copy of the adapters that may run (the working set beside the page pool).
+    """The adapters a backend may compute with: a copy in compute slots beside the page pool (CPU, reference),
+    or just their page tables, read in place (Triton). A slot is a small int naming an assigned adapter.
 
     Pair every check with its action: `can_assign(busy)` is True iff `assign(..., busy)` will succeed. An
-    adapter in `busy` (running now) is never replaced; the least recently assigned other one may be."""
+    adapter in `busy` (running now) is never replaced; the least recently assigned other one may be. An
+    adapter is dropped (`drop`) before its pages are freed or reused."""
     slot_of: dict[int, int]   # adapter id -> its slot, for every assigned adapter
 
     def has(self, adapter_id: int) -> bool: ...
 
     def can_assign(self, busy: set[int]) -> bool: ...
 
-    def assign(self, adapter_id: int, layout: PackedLayout, flat: torch.Tensor | None, busy: set[int]) -> int:
-        """Copy an adapter in (flat: its pages gathered in order, flattened; None when has(adapter_id));
+    def assign(self, adapter_id: int, layout: PackedLayout, pages: Sequence[int], busy: set[int]) -> int:
+        """Take an adapter resident in these pages of the pool (in order; `kernels/lora_layout.py`);
         returns its slot."""
 
     def drop(self, adapter_id: int) -> None: ...
@@ -157,8 +159,9 @@ class Backend(ABC):
 
     # -- multi-LoRA -------------------------------------------------------------------------------------
     @abstractmethod
-    def lora_slots(self, num_slots: int, max_rank: int, shape: ModelShape) -> AdapterSlots:
-        """The adapters' compute working set: num_slots adapters of rank <= max_rank."""
+    def lora_slots(self, num_slots: int, max_rank: int, shape: ModelShape, storage: torch.Tensor) -> AdapterSlots:
+        """The adapters' compute working set: num_slots adapters of rank <= max_rank, resident in the page
+        pool `storage` ([num_pages, page_elems], the model dtype)."""
 
     @abstractmethod
     def lora_step(self, slots: AdapterSlots, token_slots: Sequence[int], num_decode: int) -> LoraStep | None:

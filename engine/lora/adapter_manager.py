@@ -23,6 +23,7 @@ import torch
 from engine.config import LoraConfig, ModelConfig
 from engine.lora.host_adapter import HostAdapter, load_host_adapter, weights_file
 from engine.lora.layout import PackedLayout, pack, plan_layout
+from engine.lora.page_copier import PageCopier
 from engine.lora.peft_config import LoraSpec, read_spec
 from engine.page_pool import PageKind, PagePool
 from ipc.adapter_names import check_adapter_name
@@ -86,6 +87,7 @@ class AdapterManager:
         self.next_use: dict[int, int] = {}
         self._ids = itertools.count(1)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="loraplex-adapter-reader")
+        self.copier = PageCopier(storage)
 
     # -- registry ---------------------------------------------------------------------------------------
     def register(self, name: str, path: str | Path, pinned: bool = False) -> Adapter:
@@ -190,22 +192,29 @@ class AdapterManager:
                 raise ValueError(f"adapter {a.name!r}: weights on disk changed since registration")
             self._host_put(a.adapter_id, host)
         self.host.move_to_end(a.adapter_id)
-        pages = torch.tensor(a.pages, dtype=torch.long)
-        self.storage.index_copy_(0, pages, pack(host, a.layout, self.page_elems))
+        self.copier.copy(a.adapter_id, a.pages, pack(host, a.layout, self.page_elems))
 
     def poll(self) -> list[tuple[Adapter, str]]:
-        """Finish loads whose copy is done; return adapters whose load failed, with the error."""
+        """Start the page copy of loads whose read is done, finish those whose copy has landed; return
+        adapters whose load failed, with the error."""
         failed = []
         for a in list(self.by_id.values()):
-            if a.state != AdapterState.LOADING or not a.future.done():
+            if a.state != AdapterState.LOADING:
                 continue
-            err = a.future.exception()
-            if err is None:
-                try:
-                    self._copy_in(a, a.future.result())
-                except (ValueError, OSError) as e:
-                    err = e
-            a.future = None
+            if a.future is not None:
+                if not a.future.done():
+                    continue
+                err = a.future.exception()
+                if err is None:
+                    try:
+                        self._copy_in(a, a.future.result())
+                    except (ValueError, OSError) as e:
+                        err = e
+                a.future = None
+            else:
+                err = None
+            if err is None and not self.copier.done(a.adapter_id):
+                continue                # NOTE: LOADING until the copy lands: its pages are not evictable
             if err is None:
                 a.state = AdapterState.RESIDENT
                 self.lru[a.adapter_id] = None
@@ -225,6 +234,8 @@ class AdapterManager:
         for a in list(self.by_id.values()):
             if a.future is not None:
                 a.future.exception()
+            elif a.state == AdapterState.LOADING:
+                self.copier.wait(a.adapter_id)
 
     # -- eviction ---------------------------------------------------------------------------------------
     def _idle_pages(self, evict_queued: bool) -> int:

@@ -10,8 +10,6 @@ adapter is admitted until it fits.
 """
 from __future__ import annotations
 
-import torch
-
 from engine.config import LoraConfig
 from engine.lora.adapter_manager import AdapterManager, AdapterState
 from engine.request import Request
@@ -63,11 +61,7 @@ class AdapterAdmission:
                 self.adapters.stats.hits += 1
         a = self.adapters.by_id[aid]
         self.adapters.acquire(aid)
-        flat = None
-        if not self.slots.has(aid):
-            # read the adapter through its page table into a compute slot
-            flat = self.adapters.storage.index_select(0, torch.tensor(a.pages, dtype=torch.long)).flatten()
-        self.slots.assign(aid, a.layout, flat, set(self.running))
+        self.slots.assign(aid, a.layout, a.pages, set(self.running))
         self.running[aid] = self.running.get(aid, 0) + 1
 
     def stop_running(self, req: Request) -> None:

@@ -26,6 +26,7 @@ class LlamaModel:
         self.w = weights
         self.backend = backend
         self.rope = Rope(cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling, cfg.dtype)
+        self.rope.cos, self.rope.sin = self.rope.cos.to(backend.device), self.rope.sin.to(backend.device)
         self.scale = cfg.head_dim ** -0.5
         self.use_fused_decoder = use_fused_decoder
         self._decoder: tuple[list, FusedDecoder | None] | None = None   # (the kv_caches it was built for, it)

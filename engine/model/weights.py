@@ -52,7 +52,7 @@ def load_weights(cfg: ModelConfig, backend: Backend) -> LlamaWeights:
         t = index[name].get_tensor(name)
         if tuple(t.shape) != shape:
             raise ValueError(f"model: weight {name!r} has shape {tuple(t.shape)}, config implies {shape}")
-        return t.to(cfg.dtype)
+        return t.to(dtype=cfg.dtype, device=backend.device)
 
     H, I, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
     layers = []

@@ -83,8 +83,8 @@ class CpuBackend(TorchBackend):
         return kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, scale)
 
     # -- multi-LoRA ------------------------------------------------------------------------------------
-    def lora_slots(self, num_slots: int, max_rank: int, shape: ModelShape) -> CpuLoraSlots:
-        return CpuLoraSlots(num_slots, max_rank, shape)
+    def lora_slots(self, num_slots: int, max_rank: int, shape: ModelShape, storage: torch.Tensor) -> CpuLoraSlots:
+        return CpuLoraSlots(num_slots, max_rank, shape, storage)
 
     def lora_step(self, slots: CpuLoraSlots, token_slots: Sequence[int], num_decode: int) -> LoraBatch | None:
         return LoraBatch.build(slots, list(token_slots), num_decode)

@@ -11,10 +11,10 @@ from kernels.reference.slots import GROUPS, LoraSlots
 
 
 class CpuLoraSlots(LoraSlots):
-    def __init__(self, num_slots: int, max_rank: int, shape):
+    def __init__(self, num_slots: int, max_rank: int, shape, storage: torch.Tensor):
         self.paired = c_lora.pairs_b(shape.dtype) and c_lora.fits(
             max_rank, max(shape.hidden_size, shape.q_size, shape.intermediate_size))
-        super().__init__(num_slots, max_rank, shape)
+        super().__init__(num_slots, max_rank, shape, storage)
         self._c_weights: dict[tuple[int, str], c_lora.Weights] = {}
 
     def _b_buffer(self, layers: int, slots: int, rank: int, out: int) -> torch.Tensor:

@@ -59,8 +59,8 @@ class TorchBackend(Backend):
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         return attention.paged_attention(q, k_cache, v_cache, meta, scale)
 
-    def lora_slots(self, num_slots: int, max_rank: int, shape: ModelShape) -> LoraSlots:
-        return LoraSlots(num_slots, max_rank, shape)
+    def lora_slots(self, num_slots: int, max_rank: int, shape: ModelShape, storage: torch.Tensor) -> LoraSlots:
+        return LoraSlots(num_slots, max_rank, shape, storage)
 
     def lora_step(self, slots: LoraSlots, token_slots: Sequence[int], num_decode: int) -> ReferenceLoraStep | None:
         return ReferenceLoraStep.build(slots, token_slots)

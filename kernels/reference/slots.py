@@ -34,13 +34,14 @@ GROUPS = {"qkv": ("a_qkv", ("b_q", "b_k", "b_v"), ("q_proj", "k_proj", "v_proj")
 class LoraSlots:
     """Implements kernels.backend.AdapterSlots in the plain layout above."""
 
-    def __init__(self, num_slots: int, max_rank: int, shape):
+    def __init__(self, num_slots: int, max_rank: int, shape, storage: torch.Tensor):
+        self.storage = storage               # the page pool [num_pages, page_elems]
         S, R, L, H, I = num_slots, max_rank, shape.num_layers, shape.hidden_size, shape.intermediate_size
         self.num_slots = S
         self.dtype = shape.dtype
         self.max_rank = R
         self.max_in = max(H, shape.q_size, I)      # the widest input a LoRA A reads
-        z = lambda *dims: huge_zeros(L, S, *dims, dtype=shape.dtype)   # noqa: E731
+        z = lambda *dims: self._zeros(L, S, *dims)   # noqa: E731
         self.buf = {"a_qkv": z(R, 3, H), "a_o": z(R, 1, shape.q_size), "a_gu": z(R, 2, H), "a_d": z(R, 1, I)}
         for name, out in (("b_q", shape.q_size), ("b_k", shape.kv_size), ("b_v", shape.kv_size), ("b_o", H),
                           ("b_g", I), ("b_u", I), ("b_d", H)):
@@ -50,9 +51,15 @@ class LoraSlots:
         self.modules_of: dict[int, frozenset[str]] = {}   # projections the adapter has weights for
         self.lru: OrderedDict[int, None] = OrderedDict()   # adapter ids holding slots, least recent first
 
+    def _zeros(self, *shape: int) -> torch.Tensor:
+        """A long-lived buffer beside the pool: huge pages on the host, else on the pool's device."""
+        if self.storage.device.type == "cpu":
+            return huge_zeros(*shape, dtype=self.dtype)
+        return torch.zeros(*shape, dtype=self.dtype, device=self.storage.device)
+
     # -- the B layout (a subclass may change it) --------------------------------------------------------
     def _b_buffer(self, layers: int, slots: int, rank: int, out: int) -> torch.Tensor:
-        return huge_zeros(layers, slots, rank, out, dtype=self.dtype)
+        return self._zeros(layers, slots, rank, out)
 
     def _store_b(self, name: str, layer: int, slot: int, bt: torch.Tensor) -> None:
         """bt: [r, out] (B^T, pre-scaled) -> the first r rows of slot `slot`."""
@@ -69,8 +76,9 @@ class LoraSlots:
     def can_assign(self, busy: set[int]) -> bool:
         return len(self.slot_of) < self.num_slots or any(a not in busy for a in self.lru)
 
-    def assign(self, adapter_id: int, layout: PackedLayout, flat: torch.Tensor | None, busy: set[int]) -> int:
-        """Copy an adapter into a slot, replacing the least recently used adapter that is not in `busy`."""
+    def assign(self, adapter_id: int, layout: PackedLayout, pages, busy: set[int]) -> int:
+        """Copy an adapter from its pages into a slot, replacing the least recently used adapter that is not
+        in `busy`."""
         if adapter_id in self.slot_of:
             self.lru.move_to_end(adapter_id)
             return self.slot_of[adapter_id]
@@ -82,6 +90,9 @@ class LoraSlots:
             self.drop(victim)
         for buf in self.buf.values():
             buf[:, slot].zero_()
+        # read the adapter through its page table: its pages gathered in order, flattened
+        index = torch.tensor(list(pages), dtype=torch.long, device=self.storage.device)
+        flat = self.storage.index_select(0, index).flatten()
         for (layer, module), s in layout.modules.items():
             a, b = unpack_module(flat, s)
             a_name, idx, b_name = SLOT_OF_MODULE[module]

@@ -2,12 +2,13 @@
 every token one query row), the reference backend's torch ops for the rest. On a CPU it runs only under
 the Triton interpreter (TRITON_INTERPRET=1, set before triton is imported): slow, for tests.
 
-The multi-LoRA step still runs the reference backend's dense slots; the SGMV / BGMV kernels of
-lora_ops.py, which read adapters in place in the pool's pages, are not wired in yet.
+Multi-LoRA reads every adapter in place in the pool's pages, at its own rank (paged_lora.py: BGMV for
+decode tokens, SGMV for prefill segments).
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -29,8 +30,10 @@ class TritonBackend(TorchBackend):
             raise ValueError(f"backend 'triton': needs a CUDA device, or TRITON_INTERPRET=1 on {self.device}")
         if not _pow2(shape.head_dim):
             raise ValueError(f"backend 'triton': head_dim {shape.head_dim} is not a power of two")
-        from kernels.triton import paged_attention  # NOTE: imports triton, after TRITON_INTERPRET is set
+        # NOTE: these import triton, which reads TRITON_INTERPRET once, when first imported
+        from kernels.triton import paged_attention, paged_lora
         self._paged_attention = paged_attention.paged_attention
+        self._paged_lora = paged_lora
 
     @staticmethod
     def runs_on(device: torch.device) -> bool:
@@ -46,6 +49,12 @@ class TritonBackend(TorchBackend):
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         assert not meta.prefills and meta.num_decode == q.shape[0], "every token is a row here"
         return self._paged_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, scale)
+
+    def lora_slots(self, num_slots: int, max_rank: int, shape: ModelShape, storage: torch.Tensor):
+        return self._paged_lora.PagedAdapters(shape, storage)
+
+    def lora_step(self, slots, token_slots: Sequence[int], num_decode: int):
+        return self._paged_lora.PagedLoraStep.build(slots, token_slots, num_decode)
 
 
 def _importable() -> bool:

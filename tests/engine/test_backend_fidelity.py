@@ -11,7 +11,7 @@ import torch
 from engine.llm import LLM
 from ipc.sampling_params import SamplingParams
 from tests.engine.lora.test_fidelity import peft_greedy
-from tests.kernels.backends import available_backends
+from tests.kernels.backends import DEVICE, available_backends
 from tests.peft_adapters import make_adapters
 
 TINY_ADAPTERS = {
@@ -45,7 +45,7 @@ def tiny(tmp_path_factory, model_dir):
 @pytest.mark.parametrize("backend", available_backends())
 def test_greedy_tokens_match_peft_on_every_backend(backend, tiny):
     d, oracle = tiny
-    llm = LLM(model=str(d / "model"), dtype="float32", backend=backend, max_num_batched_tokens=32,
+    llm = LLM(model=str(d / "model"), dtype="float32", backend=backend, device=str(DEVICE), max_num_batched_tokens=32,
               long_prefill_token_threshold=24, kv_cache_memory_bytes=1 << 22, block_size=16)
     assert llm.engine.runner.backend.name == backend
     for name in TINY_ADAPTERS:

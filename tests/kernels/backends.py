@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -13,18 +14,20 @@ from tests.engine.lora.synthetic import TINY
 # head_dim 32: the CPU backend's paired KV layout applies (bf16 on AVX512-BF16) and Triton's power of two
 SHAPE = dataclasses.replace(TINY, hidden_size=128, intermediate_size=192, num_heads=4, num_kv_heads=2, head_dim=32)
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+# `make gpu-check` runs these tests on CUDA (LORAPLEX_TEST_DEVICE=cuda, without the Triton interpreter)
+DEVICE = torch.device(os.environ.get("LORAPLEX_TEST_DEVICE", "cpu"))
 
 
 def available_backends() -> list[str]:
     """Every backend that runs here: the reference always, the CPU one where its C kernels build, Triton
     where it has a GPU or the interpreter (tests/conftest.py sets TRITON_INTERPRET=1)."""
     names = ["torch"]
-    if CpuBackend.available():
+    if DEVICE.type == "cpu" and CpuBackend.available():
         names.append("cpu")
-    if TritonBackend.runs_on(torch.device("cpu")):
+    if TritonBackend.runs_on(DEVICE):
         names.append("triton")
     return names
 
 
 def backend(name: str, dtype: torch.dtype, **shape):
-    return select_backend(name, dataclasses.replace(SHAPE, dtype=dtype, **shape), "cpu")
+    return select_backend(name, dataclasses.replace(SHAPE, dtype=dtype, **shape), DEVICE)

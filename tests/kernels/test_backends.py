@@ -7,7 +7,7 @@ import torch
 
 from kernels.attention_metadata import AttentionMetadata, PrefillSeq
 from kernels.lora_layout import ModuleSlice, PackedLayout
-from tests.kernels.backends import SHAPE, TOL, available_backends, backend
+from tests.kernels.backends import DEVICE, SHAPE, TOL, available_backends, backend
 
 BACKENDS = [b for b in available_backends() if b != "torch"]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not BACKENDS, reason="only the reference backend
 
 
 def randn(*shape, dtype, seed=0, scale=1.0):
-    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype)
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale).to(dtype=dtype, device=DEVICE)
 
 
 def close(got, want, dtype):
@@ -69,19 +69,24 @@ def make_meta(seqs, tables, bs, every_token_a_row) -> AttentionMetadata:
         else:
             prefills.append(PrefillSeq(q, q + n, end, torch.tensor(used), _chunk_mask(start, n)))
         q += n
-    meta = AttentionMetadata(torch.tensor(pages), torch.tensor(offs), len(dec_lens), None, None, prefills)
+    def dev(x):
+        return torch.tensor(x, device=DEVICE)
+    for p in prefills:
+        p.block_table = p.block_table.to(DEVICE)
+        p.mask = None if p.mask is None else p.mask.to(DEVICE)
+    meta = AttentionMetadata(dev(pages), dev(offs), len(dec_lens), None, None, prefills)
     if dec_tables:
         width = max(len(t) for t in dec_tables)
-        padded = torch.tensor([t + [0] * (width - len(t)) for t in dec_tables])
-        meta.decode_block_tables = padded.repeat_interleave(torch.tensor(counts), 0)
-        meta.decode_lens = torch.tensor(dec_lens)
+        padded = dev([t + [0] * (width - len(t)) for t in dec_tables])
+        meta.decode_block_tables = padded.repeat_interleave(dev(counts), 0)
+        meta.decode_lens = dev(dec_lens)
     return meta
 
 
 def run_attention(b, dtype, steps, tables, bs=16, pages=24, layers=2):
     """Write each step's K/V through the backend and attend: the outputs of every step of layer 1."""
     s = SHAPE
-    storage = torch.zeros(pages, layers * 2 * bs * s.num_kv_heads * s.head_dim, dtype=dtype)
+    storage = torch.zeros(pages, layers * 2 * bs * s.num_kv_heads * s.head_dim, dtype=dtype, device=DEVICE)
     k_cache, v_cache = b.kv_caches(storage, layers, bs, s.num_kv_heads, s.head_dim)[1]
     outs = []
     for i, seqs in enumerate(steps):
@@ -131,20 +136,26 @@ def random_adapter(rank, modules, seed, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("spread", ["decode-distinct", "mixed", "one-adapter", "base-only"])
 def test_lora_step_projects_like_the_reference(name, dtype, spread):
-    """Adapters of ranks 1-16 (one odd, one above the others' groups) with different targets, spread over
-    decode tokens and prefill chunks next to base tokens; each group's projection plus its deltas."""
+    """Adapters of ranks 1 to 64 (odd ones too) with different targets, each spanning several pages that are
+    neither contiguous nor in order, spread over decode tokens and prefill chunks next to base tokens; each
+    group's projection plus its deltas."""
     adapters = {1: (4, ALL), 2: (16, ("q_proj", "v_proj")), 3: (1, ("down_proj", "o_proj")),
-                4: (7, ("gate_proj", "up_proj", "k_proj"))}
-    token_adapters = {"decode-distinct": [1, 2, 3, 4, 0, 2],
-                      "mixed": [3, 0, 1, 4] + [2] * 9 + [0] * 3 + [1] * 17 + [4] * 2,
+                4: (7, ("gate_proj", "up_proj", "k_proj")), 5: (64, ("q_proj", "down_proj")), 6: (33, ALL)}
+    token_adapters = {"decode-distinct": [1, 2, 3, 4, 0, 2, 5, 6],
+                      "mixed": [3, 0, 1, 4, 6, 5] + [2] * 9 + [0] * 3 + [1] * 17 + [4] * 2 + [6] * 5 + [5] * 3,
                       "one-adapter": [2] * 12, "base-only": [0] * 5}[spread]
-    num_decode = 4 if spread in ("decode-distinct", "mixed") else 0
+    num_decode = {"decode-distinct": 8, "mixed": 6}.get(spread, 0)
     results = []
     for b in (backend(name, dtype), backend("torch", dtype)):
-        slots = b.lora_slots(4, 16, b.shape)
+        storage = torch.zeros(1200, PAGE, dtype=dtype, device=DEVICE)
+        slots = b.lora_slots(6, 64, b.shape, storage)
+        free = list(range(1199, 0, -3))                          # pages out of order, not contiguous
         for aid, (rank, mods) in adapters.items():
             layout, flat = random_adapter(rank, mods, aid, dtype)
-            slots.assign(aid, layout, flat, busy=set())
+            n = layout.num_pages(PAGE)
+            pages, free = free[:n], free[n:]
+            storage[pages] = torch.cat([flat, flat.new_zeros(n * PAGE - len(flat))]).view(n, PAGE)
+            slots.assign(aid, layout, pages, busy=set())
         token_slots = [slots.slot_of[a] if a else -1 for a in token_adapters]
         step = b.lora_step(slots, token_slots, num_decode)
         assert (step is None) == (spread == "base-only")
@@ -160,3 +171,4 @@ def test_lora_step_projects_like_the_reference(name, dtype, spread):
 
 
 ALL = tuple(m for mods in GROUP_MODULES.values() for m in mods)
+PAGE = 1000    # elements per page: an adapter module spans several pages

@@ -71,8 +71,9 @@ def test_ranks_beyond_the_compiled_limit_fall_back():
     from kernels.cpu.slots import CpuLoraSlots
     from tests.engine.lora.synthetic import TINY
     assert c_lora.fits(256, 8192) and not c_lora.fits(257, 8192)
-    assert not lora_batch.use_c_kernel(CpuLoraSlots(1, 512, TINY))
-    assert lora_batch.use_c_kernel(CpuLoraSlots(1, 16, TINY))
+    pool = torch.zeros(1, 1)
+    assert not lora_batch.use_c_kernel(CpuLoraSlots(1, 512, TINY, pool))
+    assert lora_batch.use_c_kernel(CpuLoraSlots(1, 16, TINY, pool))
 
 
 @pytest.mark.skipif(not c_lora.supports_segments(torch.bfloat16), reason="no AVX512-BF16 or AVX2 here")

@@ -24,8 +24,11 @@ def path(request, monkeypatch):
     return request.param
 
 
+NO_POOL = torch.zeros(1, 1)
+
+
 def make_slots(ranks, dtype=torch.float32):
-    slots = CpuLoraSlots(len(ranks), 16, dataclasses.replace(TINY, dtype=dtype))
+    slots = CpuLoraSlots(len(ranks), 16, dataclasses.replace(TINY, dtype=dtype), NO_POOL)   # buffers written directly
     g = torch.Generator().manual_seed(0)
     for s, r in enumerate(ranks):
         for name, buf in slots.buf.items():
@@ -164,10 +167,14 @@ def test_slot_assign_writes_the_layout_the_kernels_read(tmp_path, dtype):
     cfg = dataclasses.replace(TINY, dtype=dtype)
     host = load_host_adapter(write_adapter(tmp_path / "a", 5, tuple(SHAPES)), cfg, max_rank=8)
     layout = plan_layout(host)
-    flat = pack(host, layout, 256).flatten()
-    slots = CpuLoraSlots(2, 8, cfg)
+    packed = pack(host, layout, 256)                        # [n, 256]
+    flat = packed.flatten()
+    pages = [3 + 2 * i for i in reversed(range(len(packed)))]   # scattered, out of order
+    storage = torch.zeros(max(pages) + 1, 256, dtype=dtype)
+    storage[pages] = packed
+    slots = CpuLoraSlots(2, 8, cfg, storage)
     assert slots.paired == c_lora.pairs_b(dtype)
-    s = slots.assign(1, layout, flat, busy=set())
+    s = slots.assign(1, layout, pages, busy=set())
     for (layer, module), ms in layout.modules.items():
         a, b = unpack_module(flat, ms)
         a_name, idx, b_name = SLOT_OF_MODULE[module]

@@ -83,3 +83,28 @@ def test_sgmv_shrink_expand(rank, dtype, hidden, kind):
     y_ref = ref_expand(v_ref, y, pool, table, b_off, rk, scale, idx, 0, n_out, PAGE)
     lora_ops.sgmv_expand(v_ref, y, pool, table, b_off, rk, scale, seg_start, seg_adapter, 0, n_out, max(lens), PAGE)
     torch.testing.assert_close(y.float(), y_ref, atol=atol * rank ** 0.5 * 4, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sgmv_with_empty_segments_and_odd_ranks(dtype):
+    """Ranks 1, 7, 33 and 64 in one launch (each spanning pages out of order); empty segments, a base-model
+    segment and one adapter in two segments."""
+    ranks = [1, 7, 33, 64]
+    hidden, n_out = 64, 80
+    pool, table, a_off, b_off, rk, scale = make_adapters(ranks, hidden, n_out, dtype, seed=2)
+    lens = [0, 5, 0, 9, 3, 0, 4]
+    seg_adapter = torch.tensor([0, 1, 2, 3, -1, 2, 2])
+    seg_start = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    T = int(seg_start[-1])
+    x = torch.randn(T, hidden).to(dtype)
+    idx = segments_to_indices(seg_start, seg_adapter)
+    v = lora_ops.sgmv_shrink(x, pool, table, a_off, rk, seg_start, seg_adapter, 64, max(lens), PAGE)
+    v_ref = ref_shrink(x, pool, table, a_off, rk, idx, 64, PAGE)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(v, v_ref, atol=atol * hidden ** 0.5, rtol=rtol)
+    y = torch.randn(T, n_out).to(dtype)
+    before = y.clone()
+    y_ref = ref_expand(v_ref, y, pool, table, b_off, rk, scale, idx, 0, n_out, PAGE)
+    lora_ops.sgmv_expand(v_ref, y, pool, table, b_off, rk, scale, seg_start, seg_adapter, 0, n_out, max(lens), PAGE)
+    torch.testing.assert_close(y.float(), y_ref, atol=atol * 64 ** 0.5 * 4, rtol=rtol)
+    assert torch.equal(y[14:17], before[14:17])          # the base-model segment is left alone

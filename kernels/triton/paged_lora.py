@@ -1,0 +1,145 @@
+"""The Triton backend's multi-LoRA: adapters are read in place in the pool's pages through a page table,
+each at its own rank (S-LoRA's unified paging): no copy into slots, no padding to max_lora_rank.
+
+`PagedAdapters` (kernels.backend.AdapterSlots) keeps, per assigned adapter, its page ids and where each
+(layer, module)'s A and B start in its flat space (kernels/lora_layout.py). `PagedLoraStep`
+(kernels.backend.LoraStep) stacks the step's adapters into a page table [A, max_pages] and per-(layer,
+module) offset, rank and scale vectors [A], then runs, per module of a fused group: BGMV shrink and expand
+for the decode tokens (one adapter index per token) and SGMV for the prefill tokens (runs of one adapter's
+tokens), from kernels/triton/lora_ops.py. An adapter that lacks a module has rank 0 there: nothing is added.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels.lora_layout import PackedLayout
+from kernels.triton import lora_ops
+
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GROUP_MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+                 "down": ("down_proj",)}
+
+
+@dataclass
+class _Entry:
+    pages: torch.Tensor    # [n] int64 page ids, in the adapter's order
+    a_off: torch.Tensor    # [L, 7] int64 flat offset of A per (layer, module)
+    b_off: torch.Tensor    # [L, 7] int64 flat offset of B
+    rank: torch.Tensor     # [L, 7] int64, 0 where the adapter has no such module
+    scale: torch.Tensor    # [L, 7] float32
+
+
+class PagedAdapters:
+    """Implements kernels.backend.AdapterSlots by reference to the pool's pages (no copy). Any number of
+    adapters can be assigned: what runs is bounded by the pool (and the scheduler's max_loras)."""
+
+    def __init__(self, shape, storage: torch.Tensor):
+        self.storage = storage                        # [num_pages, page_elems]
+        self.pool = storage.view(-1)                  # the flat pool the kernels address
+        self.page_elems = storage.shape[1]
+        self.num_layers = shape.num_layers
+        self.out = {"q_proj": shape.q_size, "k_proj": shape.kv_size, "v_proj": shape.kv_size,
+                    "o_proj": shape.hidden_size, "gate_proj": shape.intermediate_size,
+                    "up_proj": shape.intermediate_size, "down_proj": shape.hidden_size}
+        self.slot_of: dict[int, int] = {}
+        self.entries: dict[int, _Entry] = {}          # slot -> its adapter's page table and offsets
+
+    def has(self, adapter_id: int) -> bool:
+        return adapter_id in self.slot_of
+
+    def can_assign(self, busy: set[int]) -> bool:
+        return True
+
+    def assign(self, adapter_id: int, layout: PackedLayout, pages: Sequence[int], busy: set[int]) -> int:
+        if adapter_id in self.slot_of:
+            return self.slot_of[adapter_id]
+        slot = min(set(range(len(self.entries) + 1)) - set(self.entries))
+        shape = (self.num_layers, len(MODULES))
+        a_off, b_off, rank = (torch.zeros(shape, dtype=torch.int64) for _ in range(3))
+        scale = torch.zeros(shape, dtype=torch.float32)
+        for (layer, module), s in layout.modules.items():
+            m = MODULES.index(module)
+            a_off[layer, m], b_off[layer, m], rank[layer, m], scale[layer, m] = s.a_offset, s.b_offset, s.rank, s.scale
+        dev = self.storage.device
+        self.entries[slot] = _Entry(torch.tensor(list(pages), dtype=torch.int64, device=dev), a_off.to(dev),
+                                    b_off.to(dev), rank.to(dev), scale.to(dev))
+        self.slot_of[adapter_id] = slot
+        return slot
+
+    def drop(self, adapter_id: int) -> None:
+        slot = self.slot_of.pop(adapter_id, None)
+        if slot is not None:
+            del self.entries[slot]
+
+
+def _runs(idx: list[int]) -> tuple[list[int], list[int]]:
+    """Runs of equal values: (starts + [len], value of each run)."""
+    starts, values = [], []
+    for i, a in enumerate(idx):
+        if not values or a != values[-1]:
+            starts.append(i)
+            values.append(a)
+    return starts + [len(idx)], values
+
+
+class PagedLoraStep:
+    """Implements kernels.backend.LoraStep over PagedAdapters."""
+
+    def __init__(self, adapters: PagedAdapters, active: list[int], token_idx: list[int], num_decode: int):
+        dev = adapters.storage.device
+        entries = [adapters.entries[s] for s in active]
+        self.adapters = adapters
+        width = max(len(e.pages) for e in entries)
+        self.table = torch.zeros(len(entries), width, dtype=torch.int64, device=dev)   # [A, max_pages]
+        for i, e in enumerate(entries):
+            self.table[i, : len(e.pages)] = e.pages
+        # [L, 7, A]: one contiguous vector over the step's adapters per (layer, module)
+        self.a_off, self.b_off, self.rank, self.scale = (
+            torch.stack([getattr(e, f) for e in entries], dim=-1).contiguous()
+            for f in ("a_off", "b_off", "rank", "scale"))
+        self.max_rank = max(int(self.rank.max()), 1)
+        self.targets = self.rank.amax(dim=(0, 2)).tolist()          # [7] > 0 where some adapter has the module
+        self.num_decode = num_decode
+        self.decode_idx = torch.tensor(token_idx[:num_decode], dtype=torch.int64, device=dev)
+        starts, values = _runs(token_idx[num_decode:])
+        self.seg_start = torch.tensor(starts, dtype=torch.int64, device=dev)
+        self.seg_adapter = torch.tensor(values, dtype=torch.int64, device=dev)
+        self.max_seg_len = max((b - a for a, b in zip(starts, starts[1:])), default=0)
+        self.has_prefill = any(a >= 0 for a in values)
+
+    @classmethod
+    def build(cls, adapters: PagedAdapters, token_slots: Sequence[int], num_decode: int) -> "PagedLoraStep | None":
+        active = sorted({s for s in token_slots if s >= 0})
+        if not active:
+            return None
+        index = {s: i for i, s in enumerate(active)}
+        return cls(adapters, active, [index[s] if s >= 0 else -1 for s in token_slots], num_decode)
+
+    def project(self, linear, layer: int, group: str, x: torch.Tensor) -> torch.Tensor:
+        y = linear(x)
+        col = 0
+        for module in GROUP_MODULES[group]:
+            m = MODULES.index(module)
+            n_out = self.adapters.out[module]
+            if self.targets[m]:
+                self._add(layer, m, x, y, col, n_out)
+            col += n_out
+        return y
+
+    def _add(self, layer: int, m: int, x: torch.Tensor, y: torch.Tensor, col: int, n_out: int) -> None:
+        """y[t, col:col + n_out] += scale * B @ (A @ x[t]) of module m at `layer`, every token t."""
+        pool, table, page = self.adapters.pool, self.table, self.adapters.page_elems
+        a_off, b_off, rank, scale = (t[layer, m] for t in (self.a_off, self.b_off, self.rank, self.scale))
+        d = self.num_decode
+        if d:
+            v = lora_ops.bgmv_shrink(x[:d], pool, table, a_off, rank, self.decode_idx, self.max_rank, page)
+            lora_ops.bgmv_expand(v, y[:d], pool, table, b_off, rank, scale, self.decode_idx, col, n_out, page)
+        if self.has_prefill:
+            xp, yp = x[d:], y[d:]
+            v = lora_ops.sgmv_shrink(xp, pool, table, a_off, rank, self.seg_start, self.seg_adapter, self.max_rank,
+                                     self.max_seg_len, page)
+            lora_ops.sgmv_expand(v, yp, pool, table, b_off, rank, scale, self.seg_start, self.seg_adapter, col, n_out,
+                                 self.max_seg_len, page)

@@ -1,0 +1,67 @@
+"""An adapter whose page copy has not landed stays LOADING: steps that do not use it run meanwhile, its
+pages cannot be evicted, and its requests run once the copy lands. On CPU the copy is immediate, so a
+copier that holds its copies pending (as a CUDA side stream would) stands in for the device here."""
+from __future__ import annotations
+
+import pytest
+
+from engine.llm import LLM
+from engine.lora.adapter_manager import AdapterState
+from engine.lora.page_copier import PageCopier
+from ipc.requests import GenerateRequest
+from ipc.sampling_params import SamplingParams
+
+
+class HeldCopier(PageCopier):
+    """Copies at once, but reports each copy pending until `release()` (a copy in flight)."""
+
+    def __init__(self, storage):
+        super().__init__(storage)
+        self.held: set[int] = set()
+
+    def copy(self, adapter_id, pages, packed):
+        super().copy(adapter_id, pages, packed)
+        self.held.add(adapter_id)
+
+    def done(self, adapter_id):
+        return adapter_id not in self.held
+
+    def wait(self, adapter_id):
+        raise AssertionError("the engine waited on a copy while other work could run")
+
+    def release(self):
+        self.held.clear()
+
+
+@pytest.fixture
+def llm(adapter_dir):
+    d, _ = adapter_dir
+    llm = LLM(dtype="float32", max_loras=2, kv_cache_memory_bytes=64 << 20)
+    llm.register_adapter("r16-attn", str(d / "r16-attn"))
+    return llm
+
+
+def test_a_copy_in_flight_holds_up_nobody_and_cannot_be_evicted(llm):
+    core = llm.engine
+    copier = core.adapters.copier = HeldCopier(core.runner.storage)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    core.add_request(GenerateRequest("lora", [1, 2, 3, 4], params, adapter="r16-attn"))
+    core.add_request(GenerateRequest("base", [1, 2, 3, 4], params))
+    adapter = core.adapters.lookup("r16-attn")
+    base_tokens = 0
+    for _ in range(4):
+        base_tokens += sum(len(o.new_token_ids) for o in core.step() if o.request_id == "base")
+    assert adapter.state == AdapterState.LOADING and copier.held == {adapter.adapter_id}
+    assert base_tokens >= 3, "the base request decodes while the adapter's copy is in flight"
+    pages = list(adapter.pages)
+    assert core.adapters.evict_idle(len(pages)) == 0            # its pages are a copy's target: kept
+    assert adapter.pages == pages and adapter.state == AdapterState.LOADING
+    copier.release()
+    outs = []
+    while core.has_unfinished():
+        outs += core.step()
+    assert adapter.state == AdapterState.RESIDENT
+    lora_tokens = [t for o in outs if o.request_id == "lora" for t in o.new_token_ids]
+    assert len(lora_tokens) == 6
+    want = llm.generate([[1, 2, 3, 4]], params, adapter="r16-attn")[0].token_ids
+    assert lora_tokens == want
