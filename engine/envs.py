@@ -37,5 +37,12 @@ def api_key() -> str | None:
     return os.environ.get("LORAPLEX_API_KEY") or None
 
 
+def auth_config() -> dict | None:
+    """The `[auth]` table of the config file, as JSON in $LORAPLEX_AUTH (set by `loraplex serve`)."""
+    import json
+    value = os.environ.get("LORAPLEX_AUTH")
+    return json.loads(value) if value else None
+
+
 def prometheus_dir() -> str | None:
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None

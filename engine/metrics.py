@@ -30,6 +30,9 @@ E2E = Histogram("loraplex_e2e_request_latency_seconds", "End-to-end request late
 REQUESTS = Counter("loraplex_requests", "Finished requests by adapter (top adapters by name, the rest 'other')",
                    ["adapter", "finish_reason"])
 
+TENANT_REQUESTS = Counter("loraplex_tenant_requests", "Finished requests by tenant (the configured tenants and "
+                          "'admin': a bounded label)", ["tenant", "finish_reason"])
+
 TOP_ADAPTER_LABELS = 20
 
 

@@ -9,7 +9,8 @@ import sys
 from engine import envs
 from engine.serving.adapter_dir import register_adapter_dir
 from engine.waiting_queue import POLICIES
-from kernels.selector import BACKENDS
+from frontends.auth import parse_auth
+from kernels.selector import BACKENDS, DEVICES
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -17,6 +18,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
     p.add_argument("--backend", default=None, choices=BACKENDS,
                    help="compute backend: auto (default), cpu (C kernels), torch (reference), triton")
+    p.add_argument("--device", default=None, choices=DEVICES, help="auto (default: CUDA when present), cpu or cuda")
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
@@ -32,7 +34,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    names = ("backend", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "block_size",
+    names = ("backend", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "block_size",
              "max_model_len", "max_loras", "max_lora_rank", "max_cpu_loras", "scheduling_policy")
     kw = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     return dict(model=args.model, dtype=args.dtype, **kw)
@@ -45,7 +47,9 @@ def _generate(args: argparse.Namespace) -> int:
                             max_tokens=args.max_tokens, stop=args.stop or [], ignore_eos=args.ignore_eos)
     llm = LLM(**engine_kwargs(args))
     if args.adapter_dir:
-        register_adapter_dir(llm.engine, args.adapter_dir)
+        _, refused = register_adapter_dir(llm.engine, args.adapter_dir)
+        if args.adapter in refused:
+            raise ValueError(f"adapter {args.adapter!r} was refused: {refused[args.adapter]}")
     if args.chat:
         out = llm.chat([{"role": "user", "content": args.prompt}], params, adapter=args.adapter)[0]
     else:
@@ -62,7 +66,9 @@ def _serve(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     if args.adapter_dir:
         kwargs.pop("adapter_dir", None)
-    return serve(kwargs, args.adapter_dir, args.host, args.port, args.frontends, args.api_key)
+    loading = {"lora_roots": args.lora_roots or [], "runtime_lora": not args.disable_runtime_lora}
+    parse_auth(args.auth, args.api_key)                # a bad [auth] table stops here, naming the setting
+    return serve(kwargs, args.adapter_dir, args.host, args.port, args.frontends, args.api_key, loading, args.auth)
 
 
 def _apply_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
@@ -78,6 +84,7 @@ def _apply_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> No
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise SystemExit(f"loraplex: error: --config {known.config}: {e}")
     sub = parser._subparsers._group_actions[0].choices
+    sub["serve"].set_defaults(auth=data.pop("auth", None))     # the [auth] table (frontends/auth.py)
     for name, sp in sub.items():
         valid = {a.dest for a in sp._actions}
         unknown = sorted(set(k.replace("-", "_") for k in data) - valid)
@@ -110,7 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--frontends", type=int, default=2, help="HTTP frontend processes sharing the port")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
     s.add_argument("--config", default=None, help="TOML file of settings (flags win)")
-    s.set_defaults(func=_serve)
+    s.add_argument("--lora-roots", nargs="*", default=None,
+                   help="folders besides --adapter-dir that /v1/load_lora_adapter may load from")
+    s.add_argument("--disable-runtime-lora", action="store_true",
+                   help="refuse /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    s.set_defaults(func=_serve, auth=None)
     return parser
 
 

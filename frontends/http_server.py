@@ -19,6 +19,7 @@ from aiohttp import web
 from engine import envs, metrics
 from engine.tokenizer import encode_chat, load_tokenizer
 from frontends import openai_protocol as oai
+from frontends.auth import ANONYMOUS_ADMIN, Auth, parse_auth
 from frontends.engine_client import AsyncEngineClient, EngineError
 from frontends.openai_protocol import ApiError
 from ipc.sampling_params import SamplingParams
@@ -77,10 +78,10 @@ class Merged:
 
 
 class OpenAIServer:
-    def __init__(self, client: AsyncEngineClient, api_key: str | None):
+    def __init__(self, client: AsyncEngineClient, auth: Auth):
         self.client = client
         self.headers = {"X-Loraplex-Frontend": client.client_id}
-        self.api_key = api_key
+        self.auth = auth
         self.tokenizer = load_tokenizer(client.status.model_path)
         self.labels = metrics.AdapterLabels()
 
@@ -102,14 +103,18 @@ class OpenAIServer:
     @web.middleware
     async def errors(self, request: web.Request, handler):
         try:
-            if request.path.startswith("/v1/") and self.api_key is not None:
-                if request.headers.get("Authorization", "") != f"Bearer {self.api_key}":
-                    raise ApiError(401, "missing or wrong API key", code="invalid_api_key")
+            caller = self.auth.caller(request.headers.get("Authorization", ""))
+            if request.path.startswith("/v1/") and caller is None:
+                raise ApiError(401, "missing or wrong API key", code="invalid_api_key")
+            request["caller"] = caller or ANONYMOUS_ADMIN
             return await handler(request)
         except ApiError as e:
             return web.json_response(e.body(), status=e.status)
         except EngineError as e:
-            return web.json_response(ApiError(e.status, str(e)).body(), status=e.status)
+            message = str(e)
+            if e.status == 404 and not request.get("caller", ANONYMOUS_ADMIN).is_admin:
+                message = _no_such_model(request.get("model"))    # a tenant learns nothing of the server
+            return web.json_response(ApiError(e.status, message).body(), status=e.status)
 
     async def body(self, request: web.Request) -> dict:
         """The JSON object of the body: strict JSON (no NaN or Infinity), valid UTF-8 (no lone
@@ -117,6 +122,8 @@ class OpenAIServer:
         raw = await request.read()
         try:
             body = msgspec.json.decode(raw)
+        except UnicodeDecodeError:
+            raise ApiError(400, "the request body is not valid UTF-8") from None
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
             detail = "nested too deeply" if isinstance(e, RecursionError) else str(e)
             raise ApiError(400, f"the request body is not valid JSON: {detail}") from None
@@ -124,11 +131,17 @@ class OpenAIServer:
             raise ApiError(400, "the request body must be a JSON object")
         return body
 
-    def adapter_for(self, body: dict) -> str | None:
+    def adapter_for(self, request: web.Request, body: dict) -> str | None:
+        """The adapter `model` names (None: the base model), if the caller may use it; the same 404 as for
+        a model that does not exist otherwise."""
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "'model' is required and must be a string", "model")
-        return None if model == self.client.status.model else model
+        request["model"] = model
+        adapter = None if model == self.client.status.model else model
+        if not request["caller"].may_use(adapter):
+            raise ApiError(404, _no_such_model(model), "model", "model_not_found")
+        return adapter
 
     async def check_health(self) -> None:
         """Wait out an engine restart (the client's RESTART_WAIT); 503 if the engine does not come back."""
@@ -157,7 +170,7 @@ class OpenAIServer:
         """echo (completions): the prompt's text, returned before the completion (with its tokens'
         logprobs when logprobs are asked); with max_tokens 0, only the prompt (one token is computed
         and dropped: how evaluation harnesses score a text)."""
-        adapter = self.adapter_for(body)
+        adapter = self.adapter_for(request, body)
         limit = self.client.status.max_model_len
         if len(ids) >= limit:
             raise ApiError(400, f"the prompt is {len(ids)} tokens; this model's context is {limit} tokens",
@@ -178,6 +191,9 @@ class OpenAIServer:
         salt = body.get("cache_salt")
         if salt is not None and not isinstance(salt, str):
             raise ApiError(400, "'cache_salt' must be a string", "cache_salt")
+        caller = request["caller"]
+        if caller.tenant is not None:          # prefix-cache reuse never crosses tenants
+            salt = f"tenant:{caller.name}" + ("" if salt is None else f":{salt}")
         n = oai.choice_count(body)
         stream = oai.field(body, "stream", bool, False)
         await self.check_health()      # a bad request is answered at once, also while the engine restarts
@@ -198,7 +214,7 @@ class OpenAIServer:
                     prompt_lps[i] = out.prompt_logprobs
                 if out.finish_reason is not None:
                     finals[i] = out
-                    self.observe(adapter, out.finish_reason, start)
+                    self.observe(request, adapter, out.finish_reason, start)
                     if all(finals):
                         break
         finally:
@@ -257,7 +273,7 @@ class OpenAIServer:
                     sent[i] += sum(len(self.token_text(e.token_id)) for e in out.logprobs)
                 if out.finish_reason is not None:
                     finals[i] = out
-                    self.observe(adapter, out.finish_reason, start)
+                    self.observe(request, adapter, out.finish_reason, start)
                     if all(finals):
                         break
                 i, out = await gens.__anext__()
@@ -278,21 +294,31 @@ class OpenAIServer:
             await gens.aclose()          # aborts the requests in the engine that are still running
         return resp
 
-    def observe(self, adapter: str | None, finish: str | None, start: float) -> None:
+    def observe(self, request: web.Request, adapter: str | None, finish: str | None, start: float) -> None:
         metrics.E2E.observe(time.monotonic() - start)
         metrics.REQUESTS.labels(self.labels(adapter), finish or "none").inc()
+        metrics.TENANT_REQUESTS.labels(request["caller"].name, finish or "none").inc()
 
     # -- models and adapters ----------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
-        st = self.client.status
+        """The base model and the adapters, those the caller may use."""
+        st, caller = self.client.status, request["caller"]
         created = int(time.time())
-        data = [{"id": st.model, "object": "model", "created": created, "owned_by": "loraplex", "root": st.model,
-                 "parent": None, "max_model_len": st.max_model_len}]
+        data = []
+        if caller.may_use(None):
+            data.append({"id": st.model, "object": "model", "created": created, "owned_by": "loraplex",
+                         "root": st.model, "parent": None, "max_model_len": st.max_model_len})
         data += [{"id": a, "object": "model", "created": created, "owned_by": "loraplex", "root": a,
-                  "parent": st.model} for a in st.adapters]
+                  "parent": st.model} for a in st.adapters if caller.may_use(a)]
         return web.json_response({"object": "list", "data": data})
 
+    @staticmethod
+    def require_admin(request: web.Request) -> None:
+        if not request["caller"].is_admin:
+            raise ApiError(403, "loading and unloading adapters needs an admin key", code="permission_denied")
+
     async def load_adapter(self, request: web.Request) -> web.Response:
+        self.require_admin(request)
         body = await self.body(request)
         name = oai.field(body, "lora_name", str, required=True)
         path = oai.field(body, "lora_path", str, "")
@@ -302,6 +328,7 @@ class OpenAIServer:
         return web.json_response({"status": "ok", "message": f"adapter {name!r} loaded"})
 
     async def unload_adapter(self, request: web.Request) -> web.Response:
+        self.require_admin(request)
         body = await self.body(request)
         name = oai.field(body, "lora_name", str, required=True)
         await self.check_health()
@@ -342,13 +369,17 @@ class _Echo:
         return oai.join_logprobs(head, server.logprobs(entries, chat, offset + len(self.prompt)))
 
 
+def _no_such_model(model) -> str:
+    return f"The model {model!r} does not exist"
+
+
 def _finish(reason: str | None) -> str | None:
     return "stop" if reason == "abort" else reason
 
 
-async def serve(engine_address: str, host: str, port: int, api_key: str | None, frontend_id: str) -> None:
+async def serve(engine_address: str, host: str, port: int, auth: Auth, frontend_id: str) -> None:
     client = await AsyncEngineClient(engine_address, frontend_id).connect(timeout=600)
-    server = OpenAIServer(client, api_key)
+    server = OpenAIServer(client, auth)
     # handler_cancellation: a client that goes away cancels its handler, which aborts its engine requests
     # (also for non-streamed requests, which write nothing until they finish)
     runner = web.AppRunner(server.app(), access_log=None, handle_signals=False, handler_cancellation=True)
@@ -372,11 +403,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--frontend-id", default=f"http-{os.getpid()}")
     args = p.parse_args(argv)
-    api_key = envs.api_key()
+    auth = parse_auth(envs.auth_config(), envs.api_key())
     logging.basicConfig(level=envs.log_level(),
                         format=f"%(asctime)s {args.frontend_id} %(levelname)s %(message)s")
     import uvloop
-    uvloop.run(serve(args.engine_address, args.host, args.port, api_key, args.frontend_id))
+    uvloop.run(serve(args.engine_address, args.host, args.port, auth, args.frontend_id))
     return 0
 
 

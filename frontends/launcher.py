@@ -74,13 +74,16 @@ class Child:
 
 
 def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, frontends: int,
-          api_key: str | None) -> int:
+          api_key: str | None, loading: dict | None = None, auth: dict | None = None) -> int:
+    """loading: {"lora_roots": [...], "runtime_lora": bool}, the runtime adapter loading rules."""
     run_dir = Path(tempfile.mkdtemp(prefix="loraplex-"))
     prom_dir = run_dir / "metrics"
     prom_dir.mkdir()
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(prom_dir))
     if api_key:
         env["LORAPLEX_API_KEY"] = api_key
+    if auth:
+        env["LORAPLEX_AUTH"] = json.dumps(auth)
     address = f"ipc://{run_dir}/engine.sock"
     port = port or free_port(host)
     py = sys.executable
@@ -88,6 +91,11 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
                    "--engine-args", json.dumps(engine_kwargs), "--state-file", str(run_dir / "adapters.json")]
     if adapter_dir:
         engine_argv += ["--adapter-dir", adapter_dir]
+    loading = loading or {}
+    for root in loading.get("lora_roots", []):
+        engine_argv += ["--lora-root", root]
+    if not loading.get("runtime_lora", True):
+        engine_argv.append("--disable-runtime-lora")
     engine = Child("engine", engine_argv, env)
     fronts = [Child(f"frontend-{i}", [py, "-m", "frontends.http_server", "--engine-address", address, "--host", host,
                                       "--port", str(port), "--frontend-id", f"http-{i}"], env)

@@ -2,9 +2,12 @@
 adapters on demand, a requested name mapped to `DIR/<name>`, safely."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from ipc.adapter_names import check_adapter_name
+
+log = logging.getLogger("loraplex.adapters")
 
 
 def resolve_adapter_dir(adapter_dir: str, name: str) -> Path:
@@ -20,15 +23,34 @@ def resolve_adapter_dir(adapter_dir: str, name: str) -> Path:
     return path
 
 
-def register_adapter_dir(engine, adapter_dir: str) -> list[str]:
+def register_adapter_dir(engine, adapter_dir: str) -> tuple[list[str], dict[str, str]]:
     """Register every subfolder of `adapter_dir` holding adapter_config.json, under its folder name.
-    engine: anything with register_adapter(name, path) (EngineCore)."""
+    A subfolder that fails validation (bad name, config or weights) is logged and skipped: the others
+    serve. engine: anything with register_adapter(name, path) (EngineCore).
+    -> (the names registered, {refused name: why})."""
     root = Path(adapter_dir)
     if not root.is_dir():
         raise ValueError(f"--adapter-dir: {adapter_dir} is not a directory")
-    names = []
+    names, refused = [], {}
     for sub in sorted(root.iterdir()):
         if (sub / "adapter_config.json").is_file():
-            engine.register_adapter(sub.name, str(sub))
+            try:
+                engine.register_adapter(sub.name, str(sub))
+            except (ValueError, LookupError, OSError) as e:
+                refused[sub.name] = str(e.args[0]) if e.args else str(e)
+                log.warning("adapter %s refused, skipped: %s", sub, refused[sub.name])
+                continue
             names.append(sub.name)
-    return names
+    return names, refused
+
+
+def check_load_path(path: str, roots: list[str]) -> str:
+    """The real path of a runtime `lora_path`, which must lie inside one of `roots` (--adapter-dir and
+    --lora-roots): ValueError naming the rule otherwise."""
+    real = Path(path).resolve()
+    allowed = [Path(r).resolve() for r in roots]
+    if not any(real == r or r in real.parents for r in allowed):
+        where = ", ".join(str(r) for r in allowed) or "none configured"
+        raise ValueError(f"lora_path {path!r} is outside the folders adapters may be loaded from "
+                         f"(--adapter-dir and --lora-roots: {where})")
+    return str(real)

@@ -29,7 +29,7 @@ from engine import envs
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.output_processor import OutputProcessor
-from engine.serving.adapter_dir import register_adapter_dir, resolve_adapter_dir
+from engine.serving.adapter_dir import check_load_path, register_adapter_dir, resolve_adapter_dir
 from engine.serving.adapter_journal import AdapterJournal
 from engine.serving.engine_stats import EngineStatsPublisher
 from ipc.outputs import AdapterReply, EngineStatus, RequestOutput, encode_outputs
@@ -40,10 +40,15 @@ FRONTEND_TIMEOUT = 5.0
 
 
 class AsyncEngine:
-    def __init__(self, engine_kwargs: dict, address: str, adapter_dir: str | None, state_file: str | None = None):
+    def __init__(self, engine_kwargs: dict, address: str, adapter_dir: str | None, state_file: str | None = None,
+                 lora_roots: list[str] | None = None, runtime_lora: bool = True):
         self.kwargs = engine_kwargs
         self.address = address
         self.adapter_dir = adapter_dir
+        # where /v1/load_lora_adapter may load from, and whether it may at all
+        self.lora_roots = ([adapter_dir] if adapter_dir else []) + list(lora_roots or [])
+        self.runtime_lora = runtime_lora
+        self.refused: dict[str, str] = {}         # adapter-dir sub-folders refused at start-up: name -> why
         self.journal = AdapterJournal(state_file) if state_file else None
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="loraplex-engine")
         self.inbox: asyncio.Queue = asyncio.Queue()
@@ -67,8 +72,8 @@ class AsyncEngine:
         self.processor = OutputProcessor(tok)
         self.stats = EngineStatsPublisher(self.core)
         if self.adapter_dir:
-            names = await self._run(register_adapter_dir, self.core, self.adapter_dir)
-            log.info("registered %d adapters from %s", len(names), self.adapter_dir)
+            names, self.refused = await self._run(register_adapter_dir, self.core, self.adapter_dir)
+            log.info("registered %d adapters from %s (%d refused)", len(names), self.adapter_dir, len(self.refused))
         if self.journal is not None:
             await self._restore_adapters()
         self.ctx = zmq.asyncio.Context()
@@ -212,7 +217,8 @@ class AsyncEngine:
             path = resolve_adapter_dir(self.adapter_dir, name)
             await self._run(self.core.register_adapter, name, str(path))
         except ValueError as e:
-            raise LookupError(str(e)) from None
+            raise LookupError(f"adapter {name!r} is not available: {e}") from None
+        self.refused.pop(name, None)
         await self.broadcast_status()
 
     async def refuse(self, identity: bytes, request_id: str, error: str, status: int) -> None:
@@ -220,10 +226,13 @@ class AsyncEngine:
 
     async def adapter_command(self, cmd: AdapterCommand) -> AdapterReply:
         try:
+            if cmd.op in ("load", "unload") and not self.runtime_lora:
+                raise ValueError("loading and unloading adapters at run time is turned off (--disable-runtime-lora)")
             if cmd.op == "load":
                 path = cmd.path or (str(resolve_adapter_dir(self.adapter_dir, cmd.name)) if self.adapter_dir else "")
                 if not path:
                     raise ValueError("lora_path is required (the server has no --adapter-dir)")
+                path = check_load_path(path, self.lora_roots)
                 await self._run(self.core.register_adapter, cmd.name, path, cmd.pinned)
                 if self.journal is not None:
                     self.journal.loaded(cmd.name, path, cmd.pinned)
@@ -295,6 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", required=True)
     p.add_argument("--engine-args", required=True, help="JSON object of EngineConfig keyword arguments")
     p.add_argument("--adapter-dir", default=None)
+    p.add_argument("--lora-root", action="append", default=[], help="a folder runtime loads may read from")
+    p.add_argument("--disable-runtime-lora", action="store_true")
     p.add_argument("--state-file", default=None, help="JSON journal of adapters loaded at run time "
                    "(registered again when a restarted engine starts)")
     args = p.parse_args(argv)
@@ -305,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loraplex: error: {e}", file=sys.stderr, flush=True)
         return 2
     import uvloop
-    engine = AsyncEngine(json.loads(args.engine_args), args.address, args.adapter_dir, args.state_file)
+    engine = AsyncEngine(json.loads(args.engine_args), args.address, args.adapter_dir, args.state_file,
+                         args.lora_root, not args.disable_runtime_lora)
 
     async def run():
         loop = asyncio.get_running_loop()

@@ -19,8 +19,9 @@ def served_adapters(adapter_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def server(served_adapters):
-    d, _ = served_adapters
-    s = Server("--adapter-dir", str(d), "--frontends", "2", "--api-key", API_KEY, "--max-loras", "4")
+    d, src = served_adapters
+    s = Server("--adapter-dir", str(d), "--frontends", "2", "--api-key", API_KEY, "--max-loras", "4",
+               "--lora-roots", str(src))
     yield s
     assert s.stop() == 0
 

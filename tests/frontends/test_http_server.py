@@ -179,6 +179,8 @@ def test_non_streamed_request_is_aborted_when_its_client_goes_away(server):
     # hostile: not strict JSON, invalid Unicode, absurd nesting, numbers beyond int64 or the context
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "temperature": NaN}', None),
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "a\\ud800b"}', None),
+    (b'{"model": "SmolLM2-135M-Instruct", "prompt": "caf\xe9 latin-1, not UTF-8"}', None),
+    (b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "\xff\xfe"}]}', None),
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", None),
     ('{"model": "SmolLM2-135M-Instruct", "prompt": [1, 1180591620717411303424]}', "prompt"),
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "top_k": 1180591620717411303424}', "top_k"),
@@ -257,8 +259,12 @@ def test_load_use_unload_adapter_over_http(server, client, served_adapters):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="extra", **kw)
     r = requests.post(server.url + "/v1/load_lora_adapter", headers=AUTH,
-                      json={"lora_name": "bad", "lora_path": "/nonexistent"})
+                      json={"lora_name": "bad", "lora_path": str(src)})      # allowed, but no adapter there
     assert r.status_code == 400 and "adapter_config.json" in r.json()["error"]["message"]
+    for outside in ("/nonexistent", "/etc", str(src / ".." / "..")):     # anywhere else on the server's disk
+        r = requests.post(server.url + "/v1/load_lora_adapter", headers=AUTH,
+                          json={"lora_name": "bad", "lora_path": outside})
+        assert r.status_code == 400 and "--lora-roots" in r.json()["error"]["message"], r.text
 
 
 def test_adapter_on_demand_from_adapter_dir(server, client, served_adapters):

@@ -1,0 +1,129 @@
+"""Who is calling: API keys, tenants and what each may use (the `[auth]` table of the config file).
+
+    [auth]
+    admin_keys = ["sk-admin-1"]          # every adapter, the base model, load / unload
+    [[auth.tenants]]
+    name = "acme"
+    keys = ["sk-acme-1", "sk-acme-2"]
+    adapters = ["acme-*", "shared-*"]    # glob patterns of adapter names this tenant may use
+    base_model = false                   # may it use the base model (default true)
+    max_waiting = 32                     # its own bound on queued requests (optional)
+
+With auth configured (an `[auth]` table, or `--api-key`, which is one admin key) every `/v1/*` call needs
+`Authorization: Bearer KEY`. A tenant never learns what it may not use: an adapter outside its patterns
+is answered as one that does not exist.
+"""
+from __future__ import annotations
+
+import fnmatch
+import hmac
+from dataclasses import dataclass, field
+
+ADMIN = "admin"
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    keys: tuple[str, ...]
+    adapters: tuple[str, ...] = ()       # glob patterns
+    base_model: bool = True
+    max_waiting: int | None = None
+
+    def may_use(self, adapter: str | None) -> bool:
+        """adapter None is the base model."""
+        if adapter is None:
+            return self.base_model
+        return any(fnmatch.fnmatchcase(adapter, p) for p in self.adapters)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """The identity behind a request's key: an admin, or a tenant."""
+    name: str                            # ADMIN or the tenant's name (the metrics label, the cache salt)
+    tenant: Tenant | None = None
+
+    @property
+    def is_admin(self) -> bool:
+        return self.tenant is None
+
+    def may_use(self, adapter: str | None) -> bool:
+        return self.tenant is None or self.tenant.may_use(adapter)
+
+
+ANONYMOUS_ADMIN = Caller(ADMIN)          # no auth configured: everyone may do everything
+
+
+@dataclass
+class Auth:
+    admin_keys: tuple[str, ...] = ()
+    tenants: tuple[Tenant, ...] = ()
+    _by_key: dict[str, Caller] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        for k in self.admin_keys:
+            self._by_key[k] = Caller(ADMIN)
+        for t in self.tenants:
+            for k in t.keys:
+                if k in self._by_key:
+                    raise ValueError(f"auth: key of tenant {t.name!r} is used twice")
+                self._by_key[k] = Caller(t.name, t)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._by_key)
+
+    def caller(self, authorization: str) -> Caller | None:
+        """The caller of an `Authorization` header's Bearer key; None when it names no known key."""
+        if not self.enabled:
+            return ANONYMOUS_ADMIN
+        scheme, _, key = authorization.partition(" ")
+        if scheme != "Bearer" or not key:
+            return None
+        for known, who in self._by_key.items():      # NOTE: constant-time per key, no early exit on a match
+            if hmac.compare_digest(known.encode(), key.strip().encode()):
+                return who
+        return None
+
+    def labels(self) -> list[str]:
+        """Every value the `tenant` metrics label can take (bounded by the config)."""
+        return [ADMIN] + [t.name for t in self.tenants]
+
+
+def _strings(value, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ValueError(f"{where} must be a list of non-empty strings")
+    return tuple(value)
+
+
+def parse_auth(table: dict | None, api_key: str | None = None) -> Auth:
+    """The `[auth]` table of the config file (None: absent), plus `--api-key` as one more admin key.
+    ValueError naming the setting that is wrong."""
+    table = dict(table or {})
+    admin = _strings(table.pop("admin_keys", []), "auth.admin_keys")
+    tenants = []
+    for i, t in enumerate(table.pop("tenants", [])):
+        where = f"auth.tenants[{i}]"
+        if not isinstance(t, dict):
+            raise ValueError(f"{where} must be a table")
+        t = dict(t)
+        name = t.pop("name", None)
+        if not isinstance(name, str) or not name or name == ADMIN:
+            raise ValueError(f"{where}.name must be a non-empty string other than {ADMIN!r}")
+        keys = _strings(t.pop("keys", None), f"{where}.keys")
+        patterns = _strings(t.pop("adapters", []), f"{where}.adapters")
+        base = t.pop("base_model", True)
+        if not isinstance(base, bool):
+            raise ValueError(f"{where}.base_model must be true or false")
+        max_waiting = t.pop("max_waiting", None)
+        if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int)
+                                        or max_waiting < 1):
+            raise ValueError(f"{where}.max_waiting must be a positive integer")
+        if t:
+            raise ValueError(f"{where}: unknown setting(s) {', '.join(sorted(t))}")
+        tenants.append(Tenant(name, keys, patterns, base, max_waiting))
+    if table:
+        raise ValueError(f"auth: unknown setting(s) {', '.join(sorted(table))}")
+    if len({t.name for t in tenants}) != len(tenants):
+        raise ValueError("auth.tenants: names must be distinct")
+    return Auth(admin + ((api_key,) if api_key else ()), tuple(tenants))

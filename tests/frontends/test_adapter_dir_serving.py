@@ -1,0 +1,51 @@
+"""One bad upload does not take the service down: a broken sub-folder of --adapter-dir is skipped at
+start-up, the others serve, and a request naming it gets a 4xx saying why; with runtime loading turned
+off, load and unload are refused with a 400 naming the flag."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import openai
+import pytest
+import requests
+
+from tests.frontends.server_fixture import Server
+
+
+@pytest.fixture(scope="module")
+def server(served_adapters, tmp_path_factory):
+    _, src = served_adapters
+    d = tmp_path_factory.mktemp("mixed")
+    shutil.copytree(src / "r4-qv", d / "good")
+    shutil.copytree(src / "r4-qv", d / "broken-weights")
+    (d / "broken-weights" / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    (d / "broken-config").mkdir()
+    (d / "broken-config" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": -3}))
+    shutil.copytree(src / "r4-qv", d / "bad name!")
+    s = Server("--adapter-dir", str(d), "--frontends", "1", "--disable-runtime-lora")
+    yield s, src
+    assert s.stop() == 0
+
+
+def test_broken_adapters_are_skipped_and_named_in_the_error(server):
+    s, _ = server
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused")
+    models = {m.id for m in client.models.list().data}
+    assert "good" in models and not models & {"broken-weights", "broken-config", "bad name!"}
+    assert client.completions.create(model="good", prompt="Hi", max_tokens=3).choices[0].text is not None
+    for name, why in (("broken-weights", "safetensors"), ("broken-config", "r")):
+        with pytest.raises(openai.NotFoundError) as e:
+            client.completions.create(model=name, prompt="Hi", max_tokens=3)
+        message = e.value.body["message"]
+        assert name in message and why in message and "not available" in message, message
+    assert requests.get(s.url + "/health").status_code == 200
+
+
+def test_runtime_loading_can_be_turned_off(server):
+    s, src = server
+    r = requests.post(s.url + "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": str(src / "r8-all")})
+    assert r.status_code == 400 and "--disable-runtime-lora" in r.json()["error"]["message"]
+    r = requests.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "good"})
+    assert r.status_code in (400, 404) and "--disable-runtime-lora" in r.json()["error"]["message"]
+    assert "good" in {m["id"] for m in requests.get(s.url + "/v1/models").json()["data"]}

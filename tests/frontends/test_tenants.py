@@ -1,0 +1,116 @@
+"""Tenants from the config file's [auth] table, against the real processes: keys, what each tenant may use
+(the same 404 as for a model that does not exist), admin-only load / unload, prefix caches salted per
+tenant, a bounded tenant label on the metrics, and --api-key kept as one admin key."""
+from __future__ import annotations
+
+import shutil
+
+import openai
+import pytest
+import requests
+
+from tests.frontends.server_fixture import Server
+
+CONFIG = '''
+[auth]
+admin_keys = ["sk-admin-1"]          # every adapter, the base model, load / unload
+[[auth.tenants]]
+name = "acme"
+keys = ["sk-acme-1", "sk-acme-2"]
+adapters = ["acme-*", "shared-*"]    # glob patterns of adapter names this tenant may use
+base_model = false                   # may it use the base model (default true)
+max_waiting = 32                     # its own bound on queued requests (optional)
+[[auth.tenants]]
+name = "beta"
+keys = ["sk-beta-1"]
+adapters = ["beta-*"]
+'''
+LONG = "Describe the history of the city of Lyon in detail, from the Roman era to the present day. " * 3
+
+
+@pytest.fixture(scope="module")
+def server(served_adapters, tmp_path_factory):
+    _, src = served_adapters
+    d = tmp_path_factory.mktemp("tenants")
+    for name in ("acme-1", "shared-1", "beta-1"):
+        shutil.copytree(src / "r4-qv", d / "adapters" / name)
+    (d / "loraplex.toml").write_text(CONFIG)
+    s = Server("--adapter-dir", str(d / "adapters"), "--frontends", "1", "--config", str(d / "loraplex.toml"),
+               "--api-key", "sk-legacy", "--lora-roots", str(src))
+    yield s, src
+    assert s.stop() == 0
+
+
+def client(s, key):
+    return openai.OpenAI(base_url=s.url + "/v1", api_key=key, max_retries=0)
+
+
+def test_every_call_needs_a_known_key(server):
+    s, _ = server
+    assert requests.get(s.url + "/v1/models").status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        client(s, "sk-nobody").models.list()
+    assert requests.get(s.url + "/health").status_code == 200
+
+
+def test_a_tenant_sees_and_uses_only_its_own(server):
+    s, _ = server
+    acme = client(s, "sk-acme-2")
+    assert {m.id for m in acme.models.list().data} == {"acme-1", "shared-1"}      # no base model, no beta-1
+    assert acme.completions.create(model="acme-1", prompt="Hi", max_tokens=2).choices[0].text is not None
+    messages = {}
+    for model in ("beta-1", "SmolLM2-135M-Instruct", "no-such-adapter"):
+        with pytest.raises(openai.NotFoundError) as e:
+            acme.completions.create(model=model, prompt="Hi", max_tokens=2)
+        messages[model] = e.value.body["message"].replace(model, "<model>")
+    assert len(set(messages.values())) == 1, messages      # nothing tells another's adapter from none
+    beta = client(s, "sk-beta-1")
+    assert {m.id for m in beta.models.list().data} == {"SmolLM2-135M-Instruct", "beta-1"}
+
+
+def test_load_and_unload_need_an_admin_key(server):
+    s, src = server
+    body = {"lora_name": "acme-2", "lora_path": str(src / "r8-all")}
+    for key in ("sk-acme-1", "sk-beta-1"):
+        r = requests.post(s.url + "/v1/load_lora_adapter", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+    for key in ("sk-admin-1", "sk-legacy"):                 # --api-key is one more admin key
+        r = requests.post(s.url + "/v1/load_lora_adapter", json=body, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+        assert "acme-2" in {m.id for m in client(s, key).models.list().data}
+        r = requests.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "acme-2"},
+                          headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200, r.text
+
+
+def test_prefix_cache_reuse_never_crosses_tenants(server):
+    s, _ = server
+    def cached(key, model):
+        out = client(s, key).completions.create(model=model, prompt=LONG, max_tokens=1, temperature=0)
+        details = out.usage.prompt_tokens_details
+        return 0 if details is None else details.cached_tokens
+    # shared-1 is usable by acme and by the admin: the same prompt on the same adapter
+    cached("sk-acme-1", "shared-1")
+    assert cached("sk-acme-2", "shared-1") > 0          # the same tenant (another key) reuses its blocks
+    assert cached("sk-admin-1", "shared-1") == 0        # another caller does not
+
+
+def test_metrics_carry_a_bounded_tenant_label(server):
+    s, _ = server
+    client(s, "sk-beta-1").completions.create(model="beta-1", prompt="Hi", max_tokens=2)
+    text = requests.get(s.url + "/metrics").text
+    tenants = {line.split('tenant="')[1].split('"')[0] for line in text.splitlines()
+               if line.startswith("loraplex_tenant_requests_total{")}
+    assert "beta" in tenants and tenants <= {"admin", "acme", "beta"}
+
+
+@pytest.mark.parametrize("table, named", [("[auth]\nadmin_keys = 'sk'\n", "auth.admin_keys"),
+                                          ("[[auth.tenants]]\nname = 'x'\n", "auth.tenants[0].keys"),
+                                          ("[[auth.tenants]]\nname = 'x'\nkeys = ['k']\nquota = 3\n", "quota")])
+def test_a_bad_auth_table_is_refused_naming_the_setting(tmp_path, table, named):
+    import subprocess
+    import sys
+    (tmp_path / "c.toml").write_text(table)
+    r = subprocess.run([sys.executable, "-m", "frontends.cli", "serve", "--config", str(tmp_path / "c.toml")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and named in r.stderr, r.stderr
