@@ -31,6 +31,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     adapter_id: int = 0
     cache_salt: str | None = None
+    tenant: str = ""
     arrival: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

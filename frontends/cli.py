@@ -66,7 +66,10 @@ def _serve(args: argparse.Namespace) -> int:
     kwargs = engine_kwargs(args)
     if args.adapter_dir:
         kwargs.pop("adapter_dir", None)
-    loading = {"lora_roots": args.lora_roots or [], "runtime_lora": not args.disable_runtime_lora}
+    if args.max_waiting < 1:
+        raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
+    loading = {"lora_roots": args.lora_roots or [], "runtime_lora": not args.disable_runtime_lora,
+               "max_waiting": args.max_waiting}
     parse_auth(args.auth, args.api_key)                # a bad [auth] table stops here, naming the setting
     return serve(kwargs, args.adapter_dir, args.host, args.port, args.frontends, args.api_key, loading, args.auth)
 
@@ -119,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--config", default=None, help="TOML file of settings (flags win)")
     s.add_argument("--lora-roots", nargs="*", default=None,
                    help="folders besides --adapter-dir that /v1/load_lora_adapter may load from")
+    s.add_argument("--max-waiting", type=int, default=1024,
+                   help="requests waiting in the engine beyond which new ones get a 429 with Retry-After")
     s.add_argument("--disable-runtime-lora", action="store_true",
                    help="refuse /v1/load_lora_adapter and /v1/unload_lora_adapter")
     s.set_defaults(func=_serve, auth=None)

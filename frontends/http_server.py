@@ -114,7 +114,8 @@ class OpenAIServer:
             message = str(e)
             if e.status == 404 and not request.get("caller", ANONYMOUS_ADMIN).is_admin:
                 message = _no_such_model(request.get("model"))    # a tenant learns nothing of the server
-            return web.json_response(ApiError(e.status, message).body(), status=e.status)
+            headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
+            return web.json_response(ApiError(e.status, message).body(), status=e.status, headers=headers)
 
     async def body(self, request: web.Request) -> dict:
         """The JSON object of the body: strict JSON (no NaN or Infinity), valid UTF-8 (no lone
@@ -199,8 +200,12 @@ class OpenAIServer:
         await self.check_health()      # a bad request is answered at once, also while the engine restarts
         rid = oai.new_id("chatcmpl" if chat else "cmpl")
         model = body["model"]
+        tenant = caller.tenant
         gens = Merged([self.client.generate(ids, _choice_params(params, i), adapter, salt, stream=stream,
-                                            request_id=rid if n == 1 else f"{rid}-{i}") for i in range(n)])
+                                            request_id=rid if n == 1 else f"{rid}-{i}",
+                                            tenant="" if tenant is None else tenant.name,
+                                            max_waiting=(tenant.max_waiting or 0) if tenant else 0)
+                       for i in range(n)])
         if stream:
             return await self.stream(request, gens, rid, model, chat, oai.stream_options(body), adapter, view)
         start = time.monotonic()
@@ -367,6 +372,9 @@ class _Echo:
             return server.logprobs(entries, chat, offset)
         head = oai.echo_logprobs(self.ids, prompt_lps or [None] * len(self.ids), server.token_text)
         return oai.join_logprobs(head, server.logprobs(entries, chat, offset + len(self.prompt)))
+
+
+RETRY_AFTER_S = 1     # what a 429 (the waiting queue full) tells the client to wait
 
 
 def _no_such_model(model) -> str:

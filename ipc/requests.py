@@ -25,6 +25,8 @@ class GenerateRequest(msgspec.Struct, tag="gen", **_STRUCT):
     stream: bool = True
     resumed: int = 0          # the last `resumed` prompt tokens are this request's own earlier output
     resumed_chars: int = 0    # (resent after an engine restart), of whose text the client has this much
+    tenant: str = ""          # who sent it ("" without tenants): the engine bounds each tenant's queue
+    max_waiting: int = 0      # that tenant's own bound on its waiting requests (0: only the global one)
 
 
 class AbortRequest(msgspec.Struct, tag="abort", **_STRUCT):

@@ -120,7 +120,8 @@ class EngineCore:
         r = Request(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), params=req.params,
                     max_tokens=self.max_tokens_for(len(req.prompt_token_ids), req.params.max_tokens),
                     eos_token_ids=self.cfg.model.eos_token_ids, adapter_id=adapter_id,
-                    cache_salt=req.cache_salt, arrival=time.monotonic(), num_resumed=req.resumed)
+                    cache_salt=req.cache_salt, arrival=time.monotonic(), num_resumed=req.resumed,
+                    tenant=req.tenant)
         if req.params.prompt_logprobs is not None:
             r.prompt_logprobs = [None] * len(r.prompt_token_ids)
         self.requests[r.request_id] = r

@@ -41,13 +41,14 @@ FRONTEND_TIMEOUT = 5.0
 
 class AsyncEngine:
     def __init__(self, engine_kwargs: dict, address: str, adapter_dir: str | None, state_file: str | None = None,
-                 lora_roots: list[str] | None = None, runtime_lora: bool = True):
+                 lora_roots: list[str] | None = None, runtime_lora: bool = True, max_waiting: int = 1024):
         self.kwargs = engine_kwargs
         self.address = address
         self.adapter_dir = adapter_dir
         # where /v1/load_lora_adapter may load from, and whether it may at all
         self.lora_roots = ([adapter_dir] if adapter_dir else []) + list(lora_roots or [])
         self.runtime_lora = runtime_lora
+        self.max_waiting = max_waiting            # requests waiting beyond it are refused at once (429)
         self.refused: dict[str, str] = {}         # adapter-dir sub-folders refused at start-up: name -> why
         self.journal = AdapterJournal(state_file) if state_file else None
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="loraplex-engine")
@@ -195,7 +196,21 @@ class AsyncEngine:
         elif isinstance(msg, AdapterCommand):
             await self.send_q.put((identity, await self.adapter_command(msg)))
 
+    def over_limit(self, req: GenerateRequest) -> str | None:
+        """Why `req` cannot join the waiting queue now (the global or its tenant's bound), or None."""
+        waiting = self.core.scheduler.waiting
+        if len(waiting) >= self.max_waiting:
+            return f"the server has {len(waiting)} requests waiting (--max-waiting {self.max_waiting}); retry later"
+        if req.max_waiting and req.tenant:
+            mine = sum(1 for r in waiting if r.tenant == req.tenant)
+            if mine >= req.max_waiting:
+                return f"tenant {req.tenant!r} has {mine} requests waiting (its max_waiting); retry later"
+        return None
+
     async def add(self, identity: bytes, req: GenerateRequest) -> None:
+        full = None if req.resumed else self.over_limit(req)     # a resent request keeps its place
+        if full is not None:
+            return await self.refuse(identity, req.request_id, full, 429)
         try:
             await self.load_on_demand(req.adapter)
             self.core.add_request(req)
@@ -306,6 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--adapter-dir", default=None)
     p.add_argument("--lora-root", action="append", default=[], help="a folder runtime loads may read from")
     p.add_argument("--disable-runtime-lora", action="store_true")
+    p.add_argument("--max-waiting", type=int, default=1024, help="requests waiting beyond it get a 429")
     p.add_argument("--state-file", default=None, help="JSON journal of adapters loaded at run time "
                    "(registered again when a restarted engine starts)")
     args = p.parse_args(argv)
@@ -317,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvloop
     engine = AsyncEngine(json.loads(args.engine_args), args.address, args.adapter_dir, args.state_file,
-                         args.lora_root, not args.disable_runtime_lora)
+                         args.lora_root, not args.disable_runtime_lora, args.max_waiting)
 
     async def run():
         loop = asyncio.get_running_loop()

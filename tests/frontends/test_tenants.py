@@ -114,3 +114,36 @@ def test_a_bad_auth_table_is_refused_naming_the_setting(tmp_path, table, named):
     r = subprocess.run([sys.executable, "-m", "frontends.cli", "serve", "--config", str(tmp_path / "c.toml")],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and named in r.stderr, r.stderr
+
+
+def test_a_full_waiting_queue_answers_429_at_once(served_adapters, tmp_path):
+    """--max-waiting 2 with one running place; a tenant whose own max_waiting is 1: beyond either bound a
+    request is refused at once with 429 and Retry-After, and the others complete."""
+    import concurrent.futures
+    _, src = served_adapters
+    shutil.copytree(src / "r4-qv", tmp_path / "adapters" / "small-1")
+    (tmp_path / "c.toml").write_text('[auth]\nadmin_keys = ["sk-a"]\n[[auth.tenants]]\nname = "small"\n'
+                                     'keys = ["sk-s"]\nadapters = ["small-*"]\nmax_waiting = 1\n')
+    s = Server("--adapter-dir", str(tmp_path / "adapters"), "--frontends", "1", "--config", str(tmp_path / "c.toml"),
+               "--max-waiting", "2", "--max-num-seqs", "1")
+    try:
+        def call(key, model):
+            body = {"model": model, "prompt": "Count to a hundred:", "max_tokens": 48, "ignore_eos": True}
+            return requests.post(s.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                                 timeout=300)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            admin = [pool.submit(call, "sk-a", "SmolLM2-135M-Instruct") for _ in range(6)]
+            answers = [f.result() for f in admin]
+        codes = sorted(r.status_code for r in answers)
+        assert codes.count(200) >= 3 and codes.count(429) >= 1 and set(codes) <= {200, 429}, codes
+        refused = next(r for r in answers if r.status_code == 429)
+        assert refused.headers["Retry-After"] == "1" and "--max-waiting" in refused.json()["error"]["message"]
+        assert refused.json()["error"]["type"] == "rate_limit_error"
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            mine = [f.result() for f in [pool.submit(call, "sk-s", "small-1") for _ in range(4)]]
+        codes = sorted(r.status_code for r in mine)
+        assert codes.count(200) >= 2 and 429 in codes, codes
+        assert any("max_waiting" in r.json()["error"]["message"] for r in mine if r.status_code == 429)
+        assert all(len(r.json()["choices"][0]["text"]) > 0 for r in answers + mine if r.status_code == 200)
+    finally:
+        assert s.stop() == 0
