@@ -115,7 +115,7 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 1024
     long_prefill_token_threshold: int = 512
-    scheduling_policy: str = "fair"    # "fair" across adapters, or "fcfs" (see engine/waiting_queue.py)
+    scheduling_policy: str = "vtc"     # "vtc", "fair" or "fcfs" (see engine/waiting_queue.py)
 
 
 @dataclass(frozen=True)

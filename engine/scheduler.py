@@ -130,6 +130,7 @@ class Scheduler:
             if adm:
                 adm.admit(req)
             req.status = RequestStatus.RUNNING
+            self.waiting.policy.on_admitted(req, n)
             self.running.append(req)
             out.requests.append(req)
             out.num_new_tokens.append(n)
@@ -164,6 +165,7 @@ class Scheduler:
             token = sampled.get(i)
             if token is None:
                 continue
+            self.waiting.policy.on_generated(req, 1)
             reason = req.append_token(token)
             if reason is not None:
                 self.finish(req, reason)
@@ -182,6 +184,7 @@ class Scheduler:
             self.waiting.remove(req)
         if self.admission:
             self.admission.finished(req)
+        self.waiting.policy.on_leave(req)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

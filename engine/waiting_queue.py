@@ -2,7 +2,9 @@
 which the scheduler offers them a place.
 
 Policies (`SchedulerConfig.scheduling_policy`), each a class of its own, chosen by name in `POLICIES`:
-  "fair" (default): the adapter with the fewest running requests goes next (base-model requests count
+  "vtc" (default): virtual token counters over tenants (adapters without tenants): the one served the
+          fewest weighted tokens goes next (VtcPolicy).
+  "fair": the adapter with the fewest running requests goes next (base-model requests count
           as one more adapter), ties by arrival. A tenant that sends a thousand requests at once takes a
           share of the batch, not all of it: another tenant's request runs as soon as a place frees.
   "fcfs": arrival order across all adapters (vLLM's default).
@@ -26,8 +28,22 @@ Fifos = dict[int, deque[Request]]   # adapter id -> its waiting requests, in arr
 
 
 class Policy(ABC):
-    """The order in which waiting requests (not the preempted ones) are offered a place."""
+    """The order in which waiting requests (not the preempted ones) are offered a place. The hooks tell a
+    policy that keeps accounts what happened: a request arrived, was admitted with its prompt, produced
+    tokens, or left (finished or aborted)."""
     name = ""
+
+    def on_arrival(self, req: Request) -> None:
+        pass
+
+    def on_admitted(self, req: Request, prompt_tokens: int) -> None:
+        pass
+
+    def on_generated(self, req: Request, tokens: int) -> None:
+        pass
+
+    def on_leave(self, req: Request) -> None:
+        pass
 
     @abstractmethod
     def order(self, fifos: Fifos, seq: dict[int, int], running: dict[int, int]) -> Iterator[Request]:
@@ -63,7 +79,71 @@ class FairPolicy(Policy):
             heapq.heappush(heap, (running[aid], seq[id(fifo[i + 1])], aid, i + 1))
 
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (FairPolicy, FcfsPolicy)}
+def fair_key(req: Request) -> str | int:
+    """Whom fairness is between: the request's tenant, or its adapter where no tenants are configured."""
+    return req.tenant or req.adapter_id
+
+
+class VtcPolicy(Policy):
+    """Virtual token counters (Sheng et al., "Fairness in Serving Large Language Models", OSDI '24), over
+    tenants (adapters when no tenants are configured): the one served the fewest weighted tokens goes
+    next. An admitted prompt adds W_IN per prompt token, each generated token W_OUT. A tenant arriving
+    idle (nothing waiting or running) starts at the least counter among the active ones: idle time earns
+    no credit, and a newcomer never starts ahead of everyone. Ties by arrival; once a tenant's request is
+    offered and not admitted, its later requests are not offered in this pass."""
+    name = "vtc"
+    W_IN, W_OUT = 1.0, 2.0
+
+    def __init__(self):
+        self.counter: dict[str | int, float] = {}
+        self.active: dict[str | int, int] = {}      # key -> its requests waiting or running
+
+    def on_arrival(self, req: Request) -> None:
+        k = fair_key(req)
+        if not self.active.get(k):
+            floor = min((self.counter.get(a, 0.0) for a in self.active), default=self.counter.get(k, 0.0))
+            self.counter[k] = max(self.counter.get(k, 0.0), floor)
+        self.active[k] = self.active.get(k, 0) + 1
+
+    def on_admitted(self, req: Request, prompt_tokens: int) -> None:
+        k = fair_key(req)
+        self.counter[k] = self.counter.get(k, 0.0) + self.W_IN * prompt_tokens
+
+    def on_generated(self, req: Request, tokens: int) -> None:
+        k = fair_key(req)
+        self.counter[k] = self.counter.get(k, 0.0) + self.W_OUT * tokens
+
+    def on_leave(self, req: Request) -> None:
+        k = fair_key(req)
+        n = self.active.get(k, 0) - 1
+        if n > 0:
+            self.active[k] = n
+        else:
+            self.active.pop(k, None)
+
+    def order(self, fifos, seq, running):
+        heap = [(self.counter.get(fair_key(f[0]), 0.0), seq[id(f[0])], aid, 0) for aid, f in fifos.items()]
+        heapq.heapify(heap)
+        blocked: set[str | int] = set()
+        while heap:
+            c, s, aid, i = heapq.heappop(heap)
+            fifo = fifos[aid]
+            req = fifo[i]
+            k = fair_key(req)
+            if k in blocked:
+                continue
+            now = self.counter.get(k, 0.0)
+            if now != c:                                  # served since it was pushed: take its place again
+                heapq.heappush(heap, (now, s, aid, i))
+                continue
+            yield req
+            if req.status != RequestStatus.RUNNING:
+                blocked.add(k)
+            elif i + 1 < len(fifo):
+                heapq.heappush(heap, (self.counter.get(k, 0.0), seq[id(fifo[i + 1])], aid, i + 1))
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (VtcPolicy, FairPolicy, FcfsPolicy)}
 
 
 def policy_class(name: str) -> type[Policy]:
@@ -74,7 +154,7 @@ def policy_class(name: str) -> type[Policy]:
 
 
 class WaitingQueue:
-    def __init__(self, policy: str = "fair"):
+    def __init__(self, policy: str = "vtc"):
         self.policy = policy_class(policy)()
         self._fifos: dict[int, deque[Request]] = {}     # adapter id -> its waiting requests, in arrival order
         self.preempted: deque[Request] = deque()
@@ -82,6 +162,8 @@ class WaitingQueue:
         self._next = itertools.count()
 
     def append(self, req: Request) -> None:
+        """A new request (the policy sees it arrive)."""
+        self.policy.on_arrival(req)
         self._seq[id(req)] = next(self._next)
         self._fifos.setdefault(req.adapter_id, deque()).append(req)
 

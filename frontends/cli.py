@@ -30,7 +30,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter-dir", default=None,
                    help="register every subfolder holding a PEFT adapter under the folder's name")
     p.add_argument("--scheduling-policy", choices=tuple(POLICIES), default=None,
-                   help="fair (default): the adapter with the fewest running requests goes next; fcfs: arrival order")
+                   help="vtc (default): the tenant served the fewest tokens goes next; fair: the fewest running; fcfs")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

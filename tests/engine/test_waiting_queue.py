@@ -63,7 +63,7 @@ def test_remove_len_contains_oldest():
         WaitingQueue("lottery")
 
 
-@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+@pytest.mark.parametrize("policy", ["vtc", "fair", "fcfs"])
 def test_a_flood_from_one_tenant_does_not_hold_up_another(policy):
     """Tenant 1 queues 20 requests, then tenant 2 one: with two places, fair scheduling runs tenant 2's as
     soon as a place frees; first come, first served makes it wait for all of tenant 1's."""
@@ -78,7 +78,50 @@ def test_a_flood_from_one_tenant_does_not_hold_up_another(policy):
     while not other.is_finished:
         finished += fake_step(s)[1]
     ahead = sum(r in finished for r in flood)     # fair: the two running, and the one admitted with it
-    assert ahead <= 3 if policy == "fair" else ahead >= 18
+    assert ahead <= 3 if policy in ("vtc", "fair") else ahead >= 18
     while s.num_unfinished:
         fake_step(s)
     assert all(r.is_finished for r in flood) and s.kv.pool.num_free == 256
+
+
+def served_tokens(policy: str, steps: int = 60) -> dict[str, float]:
+    """Two backlogged tenants, one with long prompts and one with short ones, two places: the weighted
+    tokens (VTC's W_IN per prompt token, W_OUT per output token) each was served in `steps` steps."""
+    s = make_scheduler(num_pages=1024, max_num_seqs=2, max_num_batched_tokens=64, scheduling_policy=policy)
+    for i in range(100):                  # more than either can be served in `steps`: both stay backlogged
+        s.add(make_request(prompt_len=48, max_tokens=2, tenant="long", adapter_id=1, first_token=i))
+        s.add(make_request(prompt_len=4, max_tokens=2, tenant="short", adapter_id=2, first_token=i))
+    served = {"long": 0.0, "short": 0.0}
+    for _ in range(steps):
+        before = {id(r): (r.num_computed_tokens, len(r.output_token_ids)) for r in s.running}
+        out, _ = fake_step(s)
+        for r, n in zip(out.requests, out.num_new_tokens):
+            computed, outputs = before.get(id(r), (0, 0))
+            served[r.tenant] += 1.0 * max(0, min(n, r.num_prompt_tokens - computed))   # prompt tokens
+            served[r.tenant] += 2.0 * (len(r.output_token_ids) - outputs)              # generated tokens
+    return served
+
+
+def test_vtc_shares_served_tokens_not_places():
+    """Counting places (fair) gives the long-prompt tenant most of the work; counting served tokens (VTC)
+    keeps the two within a request's worth of each other."""
+    vtc, fair = served_tokens("vtc"), served_tokens("fair")
+    assert fair["long"] > 3 * fair["short"], fair
+    assert abs(vtc["long"] - vtc["short"]) <= 60 and min(vtc.values()) > 100, vtc
+
+
+def test_vtc_gives_no_credit_for_idle_time():
+    """A tenant arriving idle starts at the least counter among the active ones, not at zero."""
+    from engine.waiting_queue import VtcPolicy
+    p = VtcPolicy()
+    busy = make_request(tenant="busy")
+    p.on_arrival(busy)
+    p.on_admitted(busy, 500)
+    late = make_request(tenant="late")
+    p.on_arrival(late)
+    assert p.counter["late"] == p.counter["busy"] == 500
+    p.on_leave(busy)
+    p.on_leave(late)
+    again = make_request(tenant="busy")
+    p.on_arrival(again)                    # nobody else active: keeps its own counter
+    assert p.counter["busy"] == 500
