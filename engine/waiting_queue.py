@@ -1,4 +1,4 @@
-"""The scheduler's queue of requests waiting to run, one FIFO per adapter (per tenant), and the order in
+"""The scheduler's queue of requests waiting to run, one FIFO per tenant and adapter, and the order in
 which the scheduler offers them a place.
 
 Policies (`SchedulerConfig.scheduling_policy`), each a class of its own, chosen by name in `POLICIES`:
@@ -10,7 +10,7 @@ Policies (`SchedulerConfig.scheduling_policy`), each a class of its own, chosen 
   "fcfs": arrival order across all adapters (vLLM's default).
 Preempted requests come before both, most recently preempted first: they already held a place.
 
-Invariants: every waiting request is in exactly one FIFO (its adapter's) or in `preempted`; `seq` grows
+Invariants: every waiting request is in exactly one FIFO (its tenant's and adapter's) or in `preempted`; `seq` grows
 with arrival, so a FIFO is sorted by it. The queue is not changed while an `order()` is iterated: the
 scheduler removes the requests it admitted afterwards.
 """
@@ -24,7 +24,11 @@ from collections.abc import Iterator
 
 from engine.request import Request, RequestStatus
 
-Fifos = dict[int, deque[Request]]   # adapter id -> its waiting requests, in arrival order
+Fifos = dict[tuple[str, int], deque[Request]]   # (tenant, adapter id) -> its waiting requests, in arrival order
+
+
+def _fifo_key(req: Request) -> tuple[str, int]:
+    return req.tenant, req.adapter_id
 
 
 class Policy(ABC):
@@ -66,17 +70,18 @@ class FairPolicy(Policy):
     name = "fair"
 
     def order(self, fifos, seq, running):
-        heap = [(running.get(aid, 0), seq[id(f[0])], aid, 0) for aid, f in fifos.items()]
+        heap = [(running.get(f[0].adapter_id, 0), seq[id(f[0])], key, 0) for key, f in fifos.items()]
         heapq.heapify(heap)
         while heap:
-            _, _, aid, i = heapq.heappop(heap)
-            fifo = fifos[aid]
+            _, _, key, i = heapq.heappop(heap)
+            fifo = fifos[key]
             req = fifo[i]
             yield req
             if req.status != RequestStatus.RUNNING or i + 1 >= len(fifo):
                 continue
+            aid = req.adapter_id
             running[aid] = running.get(aid, 0) + 1
-            heapq.heappush(heap, (running[aid], seq[id(fifo[i + 1])], aid, i + 1))
+            heapq.heappush(heap, (running[aid], seq[id(fifo[i + 1])], key, i + 1))
 
 
 def fair_key(req: Request) -> str | int:
@@ -156,7 +161,8 @@ def policy_class(name: str) -> type[Policy]:
 class WaitingQueue:
     def __init__(self, policy: str = "vtc"):
         self.policy = policy_class(policy)()
-        self._fifos: dict[int, deque[Request]] = {}     # adapter id -> its waiting requests, in arrival order
+        # (tenant, adapter id) -> its waiting requests, in arrival order
+        self._fifos: dict[tuple[str, int], deque[Request]] = {}
         self.preempted: deque[Request] = deque()
         self._seq: dict[int, int] = {}                  # id(request) -> arrival number
         self._next = itertools.count()
@@ -165,7 +171,7 @@ class WaitingQueue:
         """A new request (the policy sees it arrive)."""
         self.policy.on_arrival(req)
         self._seq[id(req)] = next(self._next)
-        self._fifos.setdefault(req.adapter_id, deque()).append(req)
+        self._fifos.setdefault(_fifo_key(req), deque()).append(req)
 
     def appendleft(self, req: Request) -> None:
         """A preempted request: before every other."""
@@ -177,12 +183,12 @@ class WaitingQueue:
         if req in self.preempted:
             self.preempted.remove(req)
         else:
-            fifo = self._fifos.get(req.adapter_id)
+            fifo = self._fifos.get(_fifo_key(req))
             if fifo is None:
                 raise ValueError(f"request {req.request_id} is not waiting")
             fifo.remove(req)
             if not fifo:
-                del self._fifos[req.adapter_id]
+                del self._fifos[_fifo_key(req)]
         del self._seq[id(req)]
 
     def __len__(self) -> int:

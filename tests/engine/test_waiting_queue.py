@@ -125,3 +125,23 @@ def test_vtc_gives_no_credit_for_idle_time():
     again = make_request(tenant="busy")
     p.on_arrival(again)                    # nobody else active: keeps its own counter
     assert p.counter["busy"] == 500
+
+
+@pytest.mark.parametrize("policy", ["vtc", "fcfs"])
+def test_tenants_on_one_adapter_get_their_share(policy):
+    """Two tenants on the base model (one adapter): under VTC the late tenant's request runs as soon as a
+    place frees, under fcfs after the flood."""
+    s = make_scheduler(num_pages=256, max_num_seqs=2, scheduling_policy=policy)
+    flood = [make_request(prompt_len=4, max_tokens=3, tenant="a") for _ in range(20)]
+    for r in flood:
+        s.add(r)
+    fake_step(s)
+    other = make_request(prompt_len=4, max_tokens=3, tenant="b")
+    s.add(other)
+    finished = []
+    while not other.is_finished:
+        finished += fake_step(s)[1]
+    ahead = sum(r in finished for r in flood)
+    assert ahead <= 3 if policy == "vtc" else ahead >= 18
+    while s.num_unfinished:
+        fake_step(s)
