@@ -49,7 +49,6 @@ class AsyncEngine:
         self.lora_roots = ([adapter_dir] if adapter_dir else []) + list(lora_roots or [])
         self.runtime_lora = runtime_lora
         self.max_waiting = max_waiting            # requests waiting beyond it are refused at once (429)
-        self.refused: dict[str, str] = {}         # adapter-dir sub-folders refused at start-up: name -> why
         self.journal = AdapterJournal(state_file) if state_file else None
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="loraplex-engine")
         self.inbox: asyncio.Queue = asyncio.Queue()
@@ -73,8 +72,9 @@ class AsyncEngine:
         self.processor = OutputProcessor(tok)
         self.stats = EngineStatsPublisher(self.core)
         if self.adapter_dir:
-            names, self.refused = await self._run(register_adapter_dir, self.core, self.adapter_dir)
-            log.info("registered %d adapters from %s (%d refused)", len(names), self.adapter_dir, len(self.refused))
+            # NOTE: a refused sub-folder is tried again (and its error told) when a request names it
+            names, refused = await self._run(register_adapter_dir, self.core, self.adapter_dir)
+            log.info("registered %d adapters from %s (%d refused)", len(names), self.adapter_dir, len(refused))
         if self.journal is not None:
             await self._restore_adapters()
         self.ctx = zmq.asyncio.Context()
@@ -233,7 +233,6 @@ class AsyncEngine:
             await self._run(self.core.register_adapter, name, str(path))
         except ValueError as e:
             raise LookupError(f"adapter {name!r} is not available: {e}") from None
-        self.refused.pop(name, None)
         await self.broadcast_status()
 
     async def refuse(self, identity: bytes, request_id: str, error: str, status: int) -> None:

@@ -34,7 +34,7 @@ def test_broken_adapters_are_skipped_and_named_in_the_error(server):
     models = {m.id for m in client.models.list().data}
     assert "good" in models and not models & {"broken-weights", "broken-config", "bad name!"}
     assert client.completions.create(model="good", prompt="Hi", max_tokens=3).choices[0].text is not None
-    for name, why in (("broken-weights", "safetensors"), ("broken-config", "r")):
+    for name, why in (("broken-weights", "safetensors"), ("broken-config", "r must be a positive integer")):
         with pytest.raises(openai.NotFoundError) as e:
             client.completions.create(model=name, prompt="Hi", max_tokens=3)
         message = e.value.body["message"]
