@@ -15,5 +15,7 @@ def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]
             raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
         if not isinstance(m["content"], str):
             raise ValueError(f"messages[{i}].content must be a string")
+    if tok.chat_template is None:
+        raise ValueError("this model has no chat template: use /v1/completions with a prompt")
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tok(text, add_special_tokens=False)["input_ids"]

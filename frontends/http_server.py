@@ -15,13 +15,17 @@ import time
 
 import msgspec
 from aiohttp import web
+from jinja2 import TemplateError
 
 from engine import envs, metrics
 from engine.tokenizer import encode_chat, load_tokenizer
+from frontends import api_types
 from frontends import openai_protocol as oai
+from frontends.api_types import ChatCompletionRequest, CompletionRequest, LoadLoraRequest, UnloadLoraRequest
 from frontends.auth import ANONYMOUS_ADMIN, Auth, parse_auth
 from frontends.engine_client import AsyncEngineClient, EngineError
 from frontends.openai_protocol import ApiError
+from frontends.openapi import openapi_document
 from ipc.sampling_params import SamplingParams
 
 log = logging.getLogger("loraplex.http")
@@ -84,6 +88,7 @@ class OpenAIServer:
         self.auth = auth
         self.tokenizer = load_tokenizer(client.status.model_path)
         self.labels = metrics.AdapterLabels()
+        self.document = openapi_document(secured=auth.enabled)
 
     # -- plumbing ---------------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -94,7 +99,8 @@ class OpenAIServer:
                         web.get("/v1/models", self.models),
                         web.post("/v1/load_lora_adapter", self.load_adapter),
                         web.post("/v1/unload_lora_adapter", self.unload_adapter),
-                        web.get("/health", self.health), web.get("/metrics", self.metrics)])
+                        web.get("/health", self.health), web.get("/metrics", self.metrics),
+                        web.get("/openapi.json", self.openapi)])
         return app
 
     async def tag_response(self, request: web.Request, response: web.StreamResponse) -> None:
@@ -116,28 +122,29 @@ class OpenAIServer:
                 message = _no_such_model(request.get("model"))    # a tenant learns nothing of the server
             headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
             return web.json_response(ApiError(e.status, message).body(), status=e.status, headers=headers)
+        except web.HTTPException as e:       # no such route (404), method (405), a body too large (413)
+            if e.status < 400:
+                raise
+            headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+            return web.json_response(ApiError(e.status, e.reason).body(), status=e.status, headers=headers)
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:       # a bug of ours: logged with its traceback, answered in the usual error shape
+            log.exception("unexpected error in %s %s", request.method, request.path)
+            return web.json_response(ApiError(500, "internal error (logged by the server)").body(), status=500)
 
-    async def body(self, request: web.Request) -> dict:
-        """The JSON object of the body: strict JSON (no NaN or Infinity), valid UTF-8 (no lone
-        surrogates), numbers in range, nesting within msgspec's depth limit."""
-        raw = await request.read()
+    @staticmethod
+    async def body(request: web.Request, type_: type):
+        """The body as its typed request (api_types): strict JSON (no NaN or Infinity), valid UTF-8 (no
+        lone surrogates), every field of its declared type and range; a 400 naming the field otherwise."""
         try:
-            body = msgspec.json.decode(raw)
-        except UnicodeDecodeError:
-            raise ApiError(400, "the request body is not valid UTF-8") from None
-        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as e:
-            detail = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-            raise ApiError(400, f"the request body is not valid JSON: {detail}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        return body
+            return api_types.decode(await request.read(), type_)
+        except api_types.DecodeFailure as e:
+            raise ApiError(400, e.message, e.param) from None
 
-    def adapter_for(self, request: web.Request, body: dict) -> str | None:
+    def adapter_for(self, request: web.Request, model: str) -> str | None:
         """The adapter `model` names (None: the base model), if the caller may use it; the same 404 as for
         a model that does not exist otherwise."""
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise ApiError(400, "'model' is required and must be a string", "model")
         request["model"] = model
         adapter = None if model == self.client.status.model else model
         if not request["caller"].may_use(adapter):
@@ -153,53 +160,54 @@ class OpenAIServer:
 
     # -- generation -------------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self.body(request)
-        prompt = oai.completion_prompt(body)
+        req = await self.body(request, CompletionRequest)
+        prompt = oai.completion_prompt(req)
         ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
         echo = None
-        if oai.field(body, "echo", bool, False):
+        if req.echo:
             echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
-        return await self.generate(request, body, ids, chat=False, echo=echo)
+        return await self.generate(request, req, ids, echo=echo)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await self.body(request)
-        ids = encode_chat(self.tokenizer, oai.chat_messages(body))
-        return await self.generate(request, body, ids, chat=True)
+        req = await self.body(request, ChatCompletionRequest)
+        try:
+            ids = encode_chat(self.tokenizer, oai.chat_messages(req))
+        except (ValueError, TemplateError) as e:       # no chat template, or one that refuses these messages
+            raise ApiError(400, f"'messages': {e}", "messages") from None
+        return await self.generate(request, req, ids)
 
-    async def generate(self, request: web.Request, body: dict, ids: list[int], chat: bool,
+    async def generate(self, request: web.Request, req: CompletionRequest | ChatCompletionRequest, ids: list[int],
                        echo: str | None = None) -> web.StreamResponse:
         """echo (completions): the prompt's text, returned before the completion (with its tokens'
         logprobs when logprobs are asked); with max_tokens 0, only the prompt (one token is computed
         and dropped: how evaluation harnesses score a text)."""
-        adapter = self.adapter_for(request, body)
+        chat = isinstance(req, ChatCompletionRequest)
+        adapter = self.adapter_for(request, req.model)
         limit = self.client.status.max_model_len
+        if not ids:
+            raise ApiError(400, "the prompt is empty: it needs at least one token", "messages" if chat else "prompt")
         if len(ids) >= limit:
             raise ApiError(400, f"the prompt is {len(ids)} tokens; this model's context is {limit} tokens",
                            "messages" if chat else "prompt", "context_length_exceeded")
-        asked = next((f for f in ("max_completion_tokens", "max_tokens") if isinstance(body.get(f), int)), None)
-        if asked and body[asked] > limit - len(ids) and not (echo is not None and body[asked] == 0):
-            raise ApiError(400, f"'{asked}' is {body[asked]}, but the prompt is {len(ids)} tokens and this model's "
+        asked, wanted = oai.max_tokens(req) or (None, 0)
+        if asked and wanted > limit - len(ids) and not (echo is not None and wanted == 0):
+            raise ApiError(400, f"'{asked}' is {wanted}, but the prompt is {len(ids)} tokens and this model's "
                            f"context is {limit}: at most {limit - len(ids)} can be generated", asked,
                            "context_length_exceeded")
-        oai.refuse_unsupported(body, chat)
-        prompt_only = echo is not None and body.get("max_tokens") == 0
-        if prompt_only:
-            body = {**body, "max_tokens": 1}
-        params = oai.sampling_params(body, default_max_tokens=None if chat else 16, chat=chat)
+        oai.refuse_unsupported(req)
+        prompt_only = echo is not None and asked == "max_tokens" and wanted == 0
+        params = oai.sampling_params(req, default_max_tokens=None if chat else 16, prompt_only=prompt_only)
         if echo is not None and params.logprobs is not None:
             params = msgspec.structs.replace(params, prompt_logprobs=params.logprobs)
         view = _Echo(echo, ids, prompt_only)
-        salt = body.get("cache_salt")
-        if salt is not None and not isinstance(salt, str):
-            raise ApiError(400, "'cache_salt' must be a string", "cache_salt")
+        salt = req.cache_salt
         caller = request["caller"]
         if caller.tenant is not None:          # prefix-cache reuse never crosses tenants
             salt = f"tenant:{caller.name}" + ("" if salt is None else f":{salt}")
-        n = oai.choice_count(body)
-        stream = oai.field(body, "stream", bool, False)
+        n, stream = req.n or 1, bool(req.stream)
         await self.check_health()      # a bad request is answered at once, also while the engine restarts
         rid = oai.new_id("chatcmpl" if chat else "cmpl")
-        model = body["model"]
+        model = req.model
         tenant = caller.tenant
         gens = Merged([self.client.generate(ids, _choice_params(params, i), adapter, salt, stream=stream,
                                             request_id=rid if n == 1 else f"{rid}-{i}",
@@ -207,7 +215,8 @@ class OpenAIServer:
                                             max_waiting=(tenant.max_waiting or 0) if tenant else 0)
                        for i in range(n)])
         if stream:
-            return await self.stream(request, gens, rid, model, chat, oai.stream_options(body), adapter, view)
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return await self.stream(request, gens, rid, model, chat, usage, adapter, view)
         start = time.monotonic()
         texts, entries, finals = [""] * n, [[] for _ in range(n)], [None] * n
         prompt_lps = [None] * n
@@ -324,21 +333,21 @@ class OpenAIServer:
 
     async def load_adapter(self, request: web.Request) -> web.Response:
         self.require_admin(request)
-        body = await self.body(request)
-        name = oai.field(body, "lora_name", str, required=True)
-        path = oai.field(body, "lora_path", str, "")
-        pinned = oai.field(body, "pinned", bool, False)
+        req = await self.body(request, LoadLoraRequest)
+        name = req.lora_name
         await self.check_health()
-        await self.client.load_adapter(name, path, pinned)
+        await self.client.load_adapter(name, req.lora_path or "", bool(req.pinned))
         return web.json_response({"status": "ok", "message": f"adapter {name!r} loaded"})
 
     async def unload_adapter(self, request: web.Request) -> web.Response:
         self.require_admin(request)
-        body = await self.body(request)
-        name = oai.field(body, "lora_name", str, required=True)
+        name = (await self.body(request, UnloadLoraRequest)).lora_name
         await self.check_health()
         await self.client.unload_adapter(name)
         return web.json_response({"status": "ok", "message": f"adapter {name!r} unloaded"})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(self.document)
 
     async def health(self, request: web.Request) -> web.Response:
         if not self.client.healthy:

@@ -1,12 +1,13 @@
-"""OpenAI's wire format: validate request bodies (errors name the field) and build responses."""
+"""OpenAI's wire format: what typed requests (`api_types`) mean for the engine, and the responses."""
 from __future__ import annotations
 
 import json
 import time
 import uuid
 
+from frontends.api_types import ChatCompletionRequest, CompletionRequest
 from ipc.outputs import TokenLogprobs
-from ipc.sampling_params import MAX_LOGPROBS, SamplingParams
+from ipc.sampling_params import SamplingParams
 
 
 class ApiError(Exception):
@@ -23,55 +24,14 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
-def field(body: dict, name: str, types, default=None, required: bool = False):
-    if name not in body or body[name] is None:
-        if required:
-            raise ApiError(400, f"'{name}' is required", name)
-        return default
-    value = body[name]
-    if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-        raise ApiError(400, f"'{name}' must be of type {_names(types)}", name)
-    if not isinstance(value, types):
-        raise ApiError(400, f"'{name}' must be of type {_names(types)}", name)
-    if isinstance(value, int) and not isinstance(value, bool) and not _INT64[0] <= value < _INT64[1]:
-        raise ApiError(400, f"'{name}' is out of range, got {value}", name)
-    return value
-
-
-_INT64 = (-2 ** 63, 2 ** 63)   # what the engine's messages carry
-
-
-def token_ids(value, name: str) -> list[int]:
-    """A list of token ids (non-negative integers; the engine checks them against its vocabulary)."""
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-        raise ApiError(400, f"'{name}' must be an array of token ids", name)
-    bad = next((t for t in value if not 0 <= t < _INT64[1]), None)
-    if bad is not None:
-        raise ApiError(400, f"'{name}': token ids must be non-negative integers below 2**63, got {bad}", name)
-    return value
-
-
-def _names(types) -> str:
-    types = types if isinstance(types, tuple) else (types,)
-    return " or ".join({int: "integer", float: "number", str: "string", bool: "boolean", list: "array",
-                        dict: "object"}[t] for t in types)
-
-
-def logprobs_field(body: dict, chat: bool) -> int | None:
+def logprobs_count(req: CompletionRequest | ChatCompletionRequest) -> int | None:
     """How many alternatives per token to report (0: the token's own logprob only), or None for no
     logprobs. Completions: `logprobs` (integer); chat: `logprobs` (boolean) with `top_logprobs`."""
-    if not chat:
-        n = field(body, "logprobs", int, None)
-        top = "logprobs"
-    else:
-        n = 0 if field(body, "logprobs", bool, False) else None
-        k = field(body, "top_logprobs", int, None)
-        if k is not None and n is None:
-            raise ApiError(400, "'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
-        n, top = (k if k is not None else n), "top_logprobs"
-    if n is not None and not 0 <= n <= MAX_LOGPROBS:
-        raise ApiError(400, f"'{top}' must be between 0 and {MAX_LOGPROBS}, got {n}", top)
-    return n
+    if isinstance(req, CompletionRequest):
+        return req.logprobs
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError(400, "'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    return None if not req.logprobs else (req.top_logprobs or 0)
 
 
 def completion_logprobs(entries: list[TokenLogprobs], piece, offset: int) -> dict:
@@ -122,47 +82,53 @@ UNSUPPORTED = {"suffix": ("",), "best_of": (1,), "tools": ([],), "functions": ([
                "guided_choice": (), "guided_grammar": ()}
 
 
-def refuse_unsupported(body: dict, chat: bool) -> None:
+def refuse_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
+    chat = isinstance(req, ChatCompletionRequest)
     fields = {**UNSUPPORTED, "echo": (False,)} if chat else UNSUPPORTED    # echo: completions only
     for name, off in fields.items():
-        value = body.get(name)
+        value = getattr(req, name)
         if value is None or any(value == o and type(value) is type(o) for o in off):
             continue
-        if name == "best_of" and value == body.get("n", 1):
+        if name == "best_of" and value == (req.n or 1) and type(value) is int:
             continue                       # best_of equal to n: every candidate is returned
         raise ApiError(400, f"'{name}' is not supported by this server (got {json.dumps(value)[:80]})", name)
 
 
-def logit_bias_field(body: dict) -> dict[int, float]:
+def logit_bias(raw: dict[str, float] | None) -> dict[int, float]:
     """OpenAI's `logit_bias`: an object from token ids (as strings) to biases."""
-    raw = field(body, "logit_bias", dict, {}) or {}
     out = {}
-    for k, v in raw.items():
+    for k, v in (raw or {}).items():
         try:
-            out[int(k)] = float(v)
-        except (TypeError, ValueError, OverflowError):
-            raise ApiError(400, f"'logit_bias' maps token ids to numbers, got {k!r}: {v!r}", "logit_bias") from None
-    token_ids(list(out), "logit_bias")
+            t = int(k)
+        except ValueError:
+            t = -1
+        if not 0 <= t < 2 ** 63:
+            raise ApiError(400, f"'logit_bias' maps token ids (non-negative integers below 2**63) to numbers, "
+                           f"got {k[:40]!r}", "logit_bias")
+        out[t] = v
     return out
 
 
-def sampling_params(body: dict, default_max_tokens: int | None, chat: bool = False) -> SamplingParams:
-    """The sampling fields of a completions or chat body."""
-    stop = field(body, "stop", (str, list), [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if not all(isinstance(s, str) for s in stop):
-        raise ApiError(400, "'stop' must be a string or an array of strings", "stop")
-    max_tokens = field(body, "max_completion_tokens", int, None) or field(body, "max_tokens", int, default_max_tokens)
-    kw = dict(temperature=float(field(body, "temperature", (int, float), 1.0)),
-              top_p=float(field(body, "top_p", (int, float), 1.0)), top_k=field(body, "top_k", int, -1),
-              seed=field(body, "seed", int, None), max_tokens=max_tokens, stop=stop,
-              stop_token_ids=token_ids(field(body, "stop_token_ids", list, []), "stop_token_ids"),
-              ignore_eos=field(body, "ignore_eos", bool, False),
-              logprobs=logprobs_field(body, chat),
-              presence_penalty=float(field(body, "presence_penalty", (int, float), 0.0)),
-              frequency_penalty=float(field(body, "frequency_penalty", (int, float), 0.0)),
-              repetition_penalty=float(field(body, "repetition_penalty", (int, float), 1.0)),
-              logit_bias=logit_bias_field(body), min_tokens=field(body, "min_tokens", int, 0))
+def max_tokens(req: CompletionRequest | ChatCompletionRequest) -> tuple[str, int] | None:
+    """The field that bounds the completion's length and its value, if the request sets one."""
+    if req.max_completion_tokens is not None:
+        return "max_completion_tokens", req.max_completion_tokens
+    return None if req.max_tokens is None else ("max_tokens", req.max_tokens)
+
+
+def sampling_params(req: CompletionRequest | ChatCompletionRequest, default_max_tokens: int | None,
+                    prompt_only: bool = False) -> SamplingParams:
+    """The sampling fields of a completions or chat body. prompt_only: echo with max_tokens 0 (one token
+    is computed and dropped)."""
+    stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
+    asked = max_tokens(req)
+    kw = dict(temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0), top_k=_or(req.top_k, -1),
+              seed=req.seed, max_tokens=1 if prompt_only else (asked[1] if asked else default_max_tokens),
+              stop=stop, stop_token_ids=req.stop_token_ids or [], ignore_eos=bool(req.ignore_eos),
+              logprobs=logprobs_count(req), presence_penalty=_or(req.presence_penalty, 0.0),
+              frequency_penalty=_or(req.frequency_penalty, 0.0),
+              repetition_penalty=_or(req.repetition_penalty, 1.0), logit_bias=logit_bias(req.logit_bias),
+              min_tokens=_or(req.min_tokens, 0))
     try:
         return SamplingParams(**kw)
     except ValueError as e:
@@ -170,52 +136,24 @@ def sampling_params(body: dict, default_max_tokens: int | None, chat: bool = Fal
         raise ApiError(400, str(e), param) from None
 
 
-MAX_CHOICES = 16
+def _or(value, default):
+    return default if value is None else value
 
 
-def choice_count(body: dict) -> int:
-    """`n`: how many completions to generate for the prompt (each its own engine request)."""
-    n = field(body, "n", int, 1)
-    if not 1 <= n <= MAX_CHOICES:
-        raise ApiError(400, f"'n' must be between 1 and {MAX_CHOICES}, got {n}", "n")
-    return n
-
-
-def stream_options(body: dict) -> bool:
-    opts = field(body, "stream_options", dict, {})
-    return bool(opts.get("include_usage", False))
-
-
-def completion_prompt(body: dict) -> str | list[int]:
-    prompt = field(body, "prompt", (str, list), required=True)
+def completion_prompt(req: CompletionRequest) -> str | list[int]:
+    prompt = req.prompt
     if isinstance(prompt, list):
         if len(prompt) == 1 and isinstance(prompt[0], str):
             return prompt[0]
-        if not prompt or not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not prompt or not all(isinstance(t, int) for t in prompt):
             raise ApiError(400, "'prompt' must be a string, or an array of token ids (batches are not supported)",
                            "prompt")
-        token_ids(prompt, "prompt")
     return prompt
 
 
-def chat_messages(body: dict) -> list[dict]:
-    messages = field(body, "messages", list, required=True)
-    if not messages:
-        raise ApiError(400, "'messages' must not be empty", "messages")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", "messages")
-        content = m.get("content")
-        if isinstance(content, list):   # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise ApiError(400, f"messages[{i}].content must be a string", "messages")
-        out.append({"role": m["role"], "content": content})
-    return out
+def chat_messages(req: ChatCompletionRequest) -> list[dict]:
+    return [{"role": m.role, "content": m.content if isinstance(m.content, str) else "".join(p.text for p in m.content)}
+            for m in req.messages]
 
 
 def new_id(prefix: str) -> str:

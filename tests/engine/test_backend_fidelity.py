@@ -3,11 +3,10 @@ of mixed ranks, targets, rsLoRA and rank_pattern, in one batch with base request
 equal to transformers + PEFT's."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
+from bench.tiny_model import make_tiny_llama
 from engine.llm import LLM
 from ipc.sampling_params import SamplingParams
 from tests.engine.lora.test_fidelity import peft_greedy
@@ -28,16 +27,10 @@ PROMPTS = [[1, 4093, 314, 253, 1345, 282, 2716, 30], list(range(300, 341)), [5, 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, model_dir):
     """A random 2-layer Llama (the default model's tokenizer) and its adapters; the PeftModel oracle."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
     d = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                      rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(cfg).eval()
-    model.save_pretrained(d / "model")
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(model_dir / f, d / "model" / f)
+    make_tiny_llama(d / "model", model_dir)
+    model = LlamaForCausalLM.from_pretrained(d / "model", dtype=torch.float32).eval()
     oracle = make_adapters(model, d / "adapters", TINY_ADAPTERS, seed=3, std=0.4)
     return d, oracle
 

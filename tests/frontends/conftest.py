@@ -35,3 +35,20 @@ def server_fp32(served_adapters):
                "--dtype", "float32")
     yield s
     assert s.stop() == 0
+
+
+@pytest.fixture(scope="session")
+def tiny_served(tmp_path_factory, model_dir):
+    """A tiny random Llama (serving-stack tests: each step costs about a millisecond) and a folder of
+    three adapters for it."""
+    import torch
+
+    from bench.adapters import write_peft_adapter
+    from bench.tiny_model import make_tiny_llama
+    from engine.config import ModelConfig
+    d = tmp_path_factory.mktemp("tiny-served")
+    model = make_tiny_llama(d / "model", model_dir)
+    cfg = ModelConfig.from_dir(model, torch.float32)
+    for i, r in enumerate((2, 5, 8)):
+        write_peft_adapter(d / "adapters" / f"tiny-r{r}", cfg, r, ("q_proj", "v_proj"), seed=i, std=0.2)
+    return model, d / "adapters"

@@ -1,0 +1,223 @@
+"""The typed bodies of the HTTP API: what the server decodes requests with and what `/openapi.json`
+is generated from (`frontends/openapi.py`), so the document and the validation cannot drift.
+
+Requests are decoded with `decode(raw, type)`: a wrong type, a missing field or a value out of a declared
+range is a 400 naming the field. Fields a client may send as `null` mean "the default". Unknown fields are
+ignored (OpenAI clients send some this server has no use for); fields of OpenAI's API that the server does
+not implement are declared loosely so that the server can refuse them by name (`openai_protocol.UNSUPPORTED`).
+Responses are declared for the document; the fuzz test checks that what the server sends matches them.
+"""
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal, Union
+
+import msgspec
+from msgspec import Meta
+
+from ipc.sampling_params import MAX_LOGPROBS
+
+MAX_CHOICES = 16
+Int64 = Annotated[int, Meta(ge=-2 ** 63, le=2 ** 63 - 1)]
+TokenId = Annotated[int, Meta(ge=0, le=2 ** 63 - 1, description="a token id of the model's vocabulary")]
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool | None = None
+
+
+class _Generation(msgspec.Struct, kw_only=True):
+    """Fields shared by completions and chat completions (OpenAI's, plus vLLM's sampling extensions)."""
+    model: Annotated[str, Meta(min_length=1, description="the base model's name or an adapter's name")]
+    max_tokens: Annotated[int, Meta(ge=0, le=2 ** 63 - 1)] | None = None
+    max_completion_tokens: Annotated[int, Meta(ge=1, le=2 ** 63 - 1)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=-1, le=2 ** 63 - 1, description="-1 or 0: off")] | None = None
+    seed: Annotated[int, Meta(ge=0, le=2 ** 63 - 1)] | None = None
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: Annotated[int, Meta(ge=0, le=2 ** 63 - 1)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    cache_salt: str | None = None
+    user: str | None = None
+    # OpenAI / vLLM fields this server does not implement: refused by name unless they say "off"
+    suffix: Any = None
+    best_of: Any = None
+    tools: Any = None
+    functions: Any = None
+    tool_choice: Any = None
+    response_format: Any = None
+    use_beam_search: Any = None
+    prompt_logprobs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+
+
+class CompletionRequest(_Generation, kw_only=True):
+    """POST /v1/completions. `prompt`: a string, one string in an array, or an array of token ids."""
+    prompt: Union[str, list[Union[TokenId, str]]]
+    echo: bool | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+
+
+class TextPart(msgspec.Struct, kw_only=True):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: Union[str, list[TextPart]]
+    name: str | None = None
+
+
+class ChatCompletionRequest(_Generation, kw_only=True):
+    """POST /v1/chat/completions."""
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: Any = None     # completions only: refused here
+
+
+class LoadLoraRequest(msgspec.Struct, kw_only=True):
+    """POST /v1/load_lora_adapter (admin). Without `lora_path`, the adapter's folder under --adapter-dir."""
+    lora_name: str
+    lora_path: str | None = None
+    pinned: bool | None = None
+
+
+class UnloadLoraRequest(msgspec.Struct, kw_only=True):
+    """POST /v1/unload_lora_adapter (admin)."""
+    lora_name: str
+
+
+# -- responses (for the document; the server builds them as plain JSON) ---------------------------------
+class ErrorDetail(msgspec.Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(msgspec.Struct, kw_only=True):
+    """Every error, in OpenAI's shape."""
+    error: ErrorDetail
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class AssistantMessage(msgspec.Struct, kw_only=True):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(msgspec.Struct, kw_only=True):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: dict[str, Any] | None
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Model(msgspec.Struct, kw_only=True):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    parent: str | None
+    max_model_len: int | None = None
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    object: Literal["list"]
+    data: list[Model]
+
+
+class StatusReply(msgspec.Struct, kw_only=True):
+    status: str
+    message: str | None = None
+
+
+class DecodeFailure(ValueError):
+    """A body that does not fit its type: `message` for the client, `param` the top-level field."""
+
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.message, self.param = message, param
+
+
+_AT = re.compile(r" - at `(\$\.(\w+)\S*)`$")
+_MISSING = re.compile(r"missing required field `(\w+)`")
+
+
+def decode(raw: bytes, type_: type):
+    """Decode a request body (strict JSON, valid UTF-8) into its typed request, or raise DecodeFailure."""
+    try:
+        return msgspec.json.decode(raw, type=type_)
+    except UnicodeDecodeError:
+        raise DecodeFailure("the request body is not valid UTF-8", None) from None
+    except RecursionError:
+        raise DecodeFailure("the request body is not valid JSON: nested too deeply", None) from None
+    except msgspec.ValidationError as e:
+        raise _failure(str(e)) from None
+    except msgspec.DecodeError as e:
+        raise DecodeFailure(f"the request body is not valid JSON: {e}", None) from None
+
+
+def _failure(text: str) -> DecodeFailure:
+    """msgspec's "Expected `int` <= 16 - at `$.n`" as "'n': Expected `int` <= 16" (with the path when the
+    culprit lies deeper than the top-level field)."""
+    at = _AT.search(text)
+    if at is not None:
+        detail, path, param = text[:at.start()], at.group(1), at.group(2)
+        missing = _MISSING.search(detail)
+        if path == f"$.{param}" and not missing:
+            return DecodeFailure(f"'{param}': {detail}", param)
+        return DecodeFailure(f"'{param}': {detail} (at {path})", param)
+    missing = _MISSING.search(text)
+    if missing is not None:
+        return DecodeFailure(f"'{missing.group(1)}' is required", missing.group(1))
+    if text.startswith("Expected `object`"):
+        return DecodeFailure("the request body must be a JSON object", None)
+    return DecodeFailure(f"invalid request: {text}", None)

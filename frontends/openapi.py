@@ -1,0 +1,65 @@
+"""`/openapi.json`: the HTTP API as an OpenAPI 3.1 document, generated from the typed bodies in
+`api_types` (the same types the server decodes requests with)."""
+from __future__ import annotations
+
+import msgspec
+
+from frontends import api_types as t
+
+_REF = "#/components/schemas/{name}"
+_ERRORS = {"400": "the request is invalid (the error names the field)", "401": "missing or wrong API key",
+           "403": "needs an admin key", "404": "no such model or adapter, or not one the caller may use",
+           "429": "too many requests are waiting (see Retry-After)", "503": "the engine is unavailable"}
+
+
+def _json(ref: str, description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": {"$ref": ref}}}}
+
+
+def _operation(summary: str, response: str, request: str | None = None, stream: bool = False,
+               errors: tuple[str, ...] = ("400", "401", "404", "429", "503")) -> dict:
+    ok = _json(_REF.format(name=response), "success")
+    if stream:
+        ok["content"]["text/event-stream"] = {"schema": {"type": "string"},
+                                              "description": "server-sent events when `stream` is true"}
+    op = {"summary": summary, "responses": {"200": ok}}
+    for code in errors:
+        op["responses"][code] = _json(_REF.format(name="ErrorResponse"), _ERRORS[code])
+    if request is not None:
+        op["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": {"$ref": _REF.format(name=request)}}}}
+    return op
+
+
+def openapi_document(secured: bool) -> dict:
+    """The document. secured: the server was started with keys ([auth] or --api-key): /v1/* needs a bearer key."""
+    types = [t.CompletionRequest, t.ChatCompletionRequest, t.LoadLoraRequest, t.UnloadLoraRequest, t.Completion,
+             t.ChatCompletion, t.ModelList, t.StatusReply, t.ErrorResponse]
+    _, components = msgspec.json.schema_components(types, ref_template=_REF)
+    admin = ("400", "401", "403", "404", "503")
+    paths = {
+        "/v1/completions": {"post": _operation("Complete a prompt", "Completion", "CompletionRequest", True)},
+        "/v1/chat/completions": {"post": _operation("Answer a conversation", "ChatCompletion",
+                                                    "ChatCompletionRequest", True)},
+        "/v1/models": {"get": _operation("The base model and the adapters the caller may use", "ModelList",
+                                         errors=("401",))},
+        "/v1/load_lora_adapter": {"post": _operation("Load (register) an adapter", "StatusReply",
+                                                     "LoadLoraRequest", errors=admin)},
+        "/v1/unload_lora_adapter": {"post": _operation("Unload an adapter", "StatusReply", "UnloadLoraRequest",
+                                                       errors=admin)},
+        "/health": {"get": {"summary": "200 while the engine answers, 503 otherwise", "security": [],
+                            "responses": {"200": _json(_REF.format(name="StatusReply"), "healthy"),
+                                          "503": _json(_REF.format(name="StatusReply"), "engine unavailable")}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics", "security": [], "responses": {"200": {
+            "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        "/openapi.json": {"get": {"summary": "This document", "security": [], "responses": {"200": {
+            "description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
+    }
+    doc = {"openapi": "3.1.0", "info": {"title": "loraplex", "version": "1",
+                                        "description": "OpenAI-compatible API over one base model and its LoRA "
+                                                       "adapters; `model` names either."},
+           "paths": paths, "components": {"schemas": components}}
+    if secured:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+    return doc

@@ -1,0 +1,46 @@
+"""The typed request bodies: what a 400 says (the field, the rule, the path) and that the OpenAPI document
+is made from the same types."""
+from __future__ import annotations
+
+import pytest
+
+from frontends import api_types as t
+from frontends.openapi import openapi_document
+
+
+@pytest.mark.parametrize("raw, param, words", [
+    (b'{"prompt": "hi"}', "model", "'model' is required"),
+    (b'[1, 2]', None, "must be a JSON object"),
+    (b'{"model": "m", "prompt": "x", "n": 17}', "n", "<= 16"),
+    (b'{"model": "m", "prompt": [1, 1180591620717411303424]}', "prompt", "$.prompt[1]"),
+    (b'{"model": "m", "prompt": "x", "temperature": true}', "temperature", "got `bool`"),
+    (b'{"model": "m", "prompt": "x", "temperature": NaN}', None, "not valid JSON"),
+    (b'{"model": "m", "prompt": "caf\xe9"}', None, "not valid UTF-8"),
+])
+def test_a_bad_completion_body_names_its_field(raw, param, words):
+    with pytest.raises(t.DecodeFailure) as e:
+        t.decode(raw, t.CompletionRequest)
+    assert e.value.param == param and words in e.value.message
+
+
+def test_chat_parts_other_than_text_are_refused_with_their_path():
+    raw = b'{"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}'
+    with pytest.raises(t.DecodeFailure) as e:
+        t.decode(raw, t.ChatCompletionRequest)
+    assert e.value.param == "messages" and "$.messages[0].content[0].type" in e.value.message
+
+
+def test_nulls_mean_defaults_and_unknown_fields_are_ignored():
+    req = t.decode(b'{"model": "m", "prompt": [1, 2], "n": null, "user": "u", "x-extra": 1}', t.CompletionRequest)
+    assert req.prompt == [1, 2] and req.n is None and req.user == "u"
+
+
+def test_the_document_is_generated_from_the_request_types():
+    doc = openapi_document(secured=True)
+    schemas = doc["components"]["schemas"]
+    body = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/CompletionRequest"}
+    fields = set(t.CompletionRequest.__struct_fields__)
+    assert set(schemas["CompletionRequest"]["properties"]) == fields
+    assert schemas["CompletionRequest"]["properties"]["n"]["anyOf"][0]["maximum"] == t.MAX_CHOICES
+    assert doc["security"] == [{"bearer": []}] and "security" not in openapi_document(secured=False)

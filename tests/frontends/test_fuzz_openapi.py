@@ -1,0 +1,87 @@
+"""Schemathesis against the real processes: cases generated from `/openapi.json` (valid and invalid
+bodies), at least 2,000 in all. No answer is a 5xx; every error is in OpenAI's error shape; every success
+decodes strictly into the response type the document declares; the server is healthy afterwards."""
+from __future__ import annotations
+
+import collections
+
+import msgspec
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from schemathesis.generation import GenerationMode
+
+from frontends import api_types
+from tests.frontends.server_fixture import Server
+
+KEY = "sk-fuzz"
+MODELS = ["model", "tiny-r2", "tiny-r5", "tiny-r8", None]    # None: as generated ("model": the base model's name)
+PER_OPERATION = {"POST /v1/completions": 300, "POST /v1/chat/completions": 300, "POST /v1/load_lora_adapter": 200,
+                 "POST /v1/unload_lora_adapter": 200}   # per generation mode; the GETs take no input: 5 each
+RESPONSE = {"/v1/completions": api_types.Completion, "/v1/chat/completions": api_types.ChatCompletion,
+            "/v1/models": api_types.ModelList, "/v1/load_lora_adapter": api_types.StatusReply,
+            "/v1/unload_lora_adapter": api_types.StatusReply, "/health": api_types.StatusReply}
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(tiny_served):
+    model, adapters = tiny_served
+    s = Server("--model", str(model), "--dtype", "float32", "--adapter-dir", str(adapters), "--api-key", KEY,
+               "--max-model-len", "48", "--max-num-seqs", "16", "--frontends", "1")
+    yield s
+    assert s.stop() == 0
+
+
+REASONS = collections.Counter()
+
+
+def check_answer(case, resp, seen: collections.Counter) -> None:
+    seen[resp.status_code // 100] += 1
+    what = f"{case.method} {case.path} {case.body!r:.300} -> {resp.status_code} {resp.text[:300]}"
+    assert resp.status_code < 500, what
+    if resp.status_code >= 400:
+        err = msgspec.json.decode(resp.content, type=api_types.ErrorResponse).error
+        assert err.message and err.type, what
+        REASONS[(case.path, resp.status_code, err.param, err.message[:50])] += 1
+        return
+    if resp.content.startswith(b"data: "):        # server-sent events (stream: true)
+        events = [line[6:] for line in resp.text.split("\n") if line.startswith("data: ")]
+        assert events and events[-1] == "[DONE]", what
+        return
+    if case.path in RESPONSE:
+        msgspec.json.decode(resp.content, type=RESPONSE[case.path])
+
+
+def test_fuzz_every_route_from_the_openapi_document(fuzz_server):
+    doc = requests.get(fuzz_server.url + "/openapi.json", timeout=10).json()
+    assert set(doc["paths"]) >= set(RESPONSE) | {"/metrics", "/openapi.json"}
+    schema = schemathesis.openapi.from_dict(doc)
+    session = requests.Session()
+    seen, cases = collections.Counter(), collections.Counter()
+    for result in schema.get_all_operations():
+        op = result.ok()
+        label = f"{op.method.upper()} {op.path}"
+        for mode in GenerationMode:
+            if mode is GenerationMode.NEGATIVE and label not in PER_OPERATION:
+                continue                    # a GET without parameters has no invalid form
+            @given(case=op.as_strategy(generation_mode=mode), model=st.sampled_from(MODELS))
+            @settings(max_examples=PER_OPERATION.get(label, 5), deadline=None, database=None,
+                      phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+            def run(case, model):
+                cases[label] += 1
+                if model and isinstance(case.body, dict) and isinstance(case.body.get("model"), str):
+                    case.body["model"] = model      # a served model, else nearly every valid body is a 404
+                case.headers = {**(case.headers or {}), "Authorization": f"Bearer {KEY}"}
+                resp = case.call(base_url=fuzz_server.url, session=session, timeout=60)
+                check_answer(case, resp, seen)
+            run()
+    print(f"fuzz: {sum(cases.values())} cases {dict(cases)}; answers by class {dict(seen)}")
+    assert sum(cases.values()) >= 2000, cases
+    print("most common errors:", REASONS.most_common(12))
+    assert seen[2] > 100 and seen[4] > 500, seen     # both valid and invalid requests were exercised
+    assert requests.get(fuzz_server.url + "/health", timeout=10).status_code == 200
+    r = requests.post(fuzz_server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": "tiny-r5", "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
