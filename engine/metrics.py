@@ -30,6 +30,9 @@ E2E = Histogram("loraplex_e2e_request_latency_seconds", "End-to-end request late
 REQUESTS = Counter("loraplex_requests", "Finished requests by adapter (top adapters by name, the rest 'other')",
                    ["adapter", "finish_reason"])
 
+SLOW_READERS = Counter("loraplex_slow_reader_aborts", "Streams aborted because their client stopped reading: "
+                       "'buffer' (MAX_BUFFERED outputs behind) or 'timeout' (nothing taken for --stream-timeout)",
+                       ["cause"])
 TENANT_REQUESTS = Counter("loraplex_tenant_requests", "Finished requests by tenant (the configured tenants and "
                           "'admin': a bounded label)", ["tenant", "finish_reason"])
 

@@ -71,7 +71,11 @@ def _serve(args: argparse.Namespace) -> int:
     loading = {"lora_roots": args.lora_roots or [], "runtime_lora": not args.disable_runtime_lora,
                "max_waiting": args.max_waiting}
     parse_auth(args.auth, args.api_key)                # a bad [auth] table stops here, naming the setting
-    return serve(kwargs, args.adapter_dir, args.host, args.port, args.frontends, args.api_key, loading, args.auth)
+    if args.stream_timeout <= 0 or args.stream_buffer < 1:
+        raise ValueError(f"--stream-timeout must be > 0 and --stream-buffer >= 1, got {args.stream_timeout} and "
+                         f"{args.stream_buffer}")
+    return serve(kwargs, args.adapter_dir, args.host, args.port, args.frontends, args.api_key, loading, args.auth,
+                 (args.stream_timeout, args.stream_buffer))
 
 
 def _apply_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
@@ -126,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting in the engine beyond which new ones get a 429 with Retry-After")
     s.add_argument("--disable-runtime-lora", action="store_true",
                    help="refuse /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    s.add_argument("--stream-timeout", type=float, default=60.0,
+                   help="seconds a streaming client may take nothing before it is aborted (its pages freed)")
+    s.add_argument("--stream-buffer", type=int, default=1024,
+                   help="outputs of one request that may wait for a slow client before it is aborted")
     s.set_defaults(func=_serve, auth=None)
     return parser
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -27,13 +28,16 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from engine import metrics
 from ipc.outputs import AdapterReply, EngineStatus, RequestOutput, decode_outputs
 from ipc.requests import AbortRequest, AdapterCommand, GenerateRequest, Hello, encode_request
 from ipc.sampling_params import SamplingParams
 
+log = logging.getLogger("loraplex.client")
 HEARTBEAT_TIMEOUT = 5.0
 RESTART_WAIT = 180.0     # how long a request waits for a dead engine to come back before it fails
 MAX_RESUBMITS = 1
+MAX_BUFFERED = 1024      # outputs of one request waiting for its reader, beyond which the request is aborted
 
 
 @dataclass
@@ -52,8 +56,9 @@ class EngineError(RuntimeError):
 
 
 class AsyncEngineClient:
-    def __init__(self, address: str, client_id: str | None = None):
+    def __init__(self, address: str, client_id: str | None = None, max_buffered: int = MAX_BUFFERED):
         self.address = address
+        self.max_buffered = max_buffered
         self.client_id = client_id or f"client-{uuid.uuid4().hex[:12]}"
         self.status: EngineStatus | None = None
         self.last_heartbeat = 0.0
@@ -113,7 +118,9 @@ class AsyncEngineClient:
             for msg in decode_outputs(await self.sock.recv()):
                 if isinstance(msg, RequestOutput):
                     q = self._queues.get(msg.request_id)
-                    if q is not None:
+                    if q is not None and q.qsize() >= self.max_buffered:
+                        await self._overflowed(msg.request_id, q)
+                    elif q is not None:
                         q.put_nowait(self._carry_on(msg))
                 elif isinstance(msg, AdapterReply):
                     fut = self._replies.pop(msg.command_id, None)
@@ -125,6 +132,18 @@ class AsyncEngineClient:
                     self.last_heartbeat = time.monotonic()
                     if restarted:
                         await self._engine_restarted()
+
+    async def _overflowed(self, rid: str, q: asyncio.Queue) -> None:
+        """The request's reader fell max_buffered outputs behind: drop them, abort the request in the engine
+        (its pages are freed) and end its stream with an error. Memory per request stays bounded."""
+        del self._queues[rid]
+        while not q.empty():
+            q.get_nowait()
+        q.put_nowait(RequestOutput(rid, finish_reason="abort", status=503, error=(
+            f"aborted: the client fell {self.max_buffered} outputs behind (it stopped reading)")))
+        await self.abort(rid)
+        metrics.SLOW_READERS.labels("buffer").inc()
+        log.warning("request %s aborted: its reader fell %d outputs behind", rid, self.max_buffered)
 
     def _carry_on(self, out: RequestOutput) -> RequestOutput:
         """Record what a request received; after a resubmission, count usage from the original prompt."""

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -23,7 +24,7 @@ from frontends import api_types
 from frontends import openai_protocol as oai
 from frontends.api_types import ChatCompletionRequest, CompletionRequest, LoadLoraRequest, UnloadLoraRequest
 from frontends.auth import ANONYMOUS_ADMIN, Auth, parse_auth
-from frontends.engine_client import AsyncEngineClient, EngineError
+from frontends.engine_client import MAX_BUFFERED, AsyncEngineClient, EngineError
 from frontends.openai_protocol import ApiError
 from frontends.openapi import openapi_document
 from ipc.sampling_params import SamplingParams
@@ -40,11 +41,12 @@ def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
 
 class Merged:
     """The outputs of several request streams (the `n` choices of one API call) as they come:
-    (choice index, output). Errors of any stream are raised; aclose() stops and aborts them all."""
+    (choice index, output). Errors of any stream are raised; aclose() stops and aborts them all. Its queue
+    holds one output per stream: a slow consumer leaves the rest in each request's bounded client queue."""
 
     def __init__(self, gens: list):
         self.gens = gens
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=len(gens))
         self.ended = 0
         self.tasks = [asyncio.create_task(self._pump(i, g)) for i, g in enumerate(gens)]
 
@@ -54,11 +56,11 @@ class Merged:
     async def _pump(self, i: int, gen) -> None:
         try:
             async for out in gen:
-                self.queue.put_nowait((i, out, None))
+                await self.queue.put((i, out, None))
         except Exception as e:  # noqa: BLE001 - handed to the consumer
-            self.queue.put_nowait((i, None, e))
+            await self.queue.put((i, None, e))
         else:
-            self.queue.put_nowait((i, None, None))     # this stream ended
+            await self.queue.put((i, None, None))     # this stream ended
 
     def __aiter__(self) -> "Merged":
         return self
@@ -82,8 +84,9 @@ class Merged:
 
 
 class OpenAIServer:
-    def __init__(self, client: AsyncEngineClient, auth: Auth):
+    def __init__(self, client: AsyncEngineClient, auth: Auth, stream_timeout: float = 60.0):
         self.client = client
+        self.stream_timeout = stream_timeout
         self.headers = {"X-Loraplex-Frontend": client.client_id}
         self.auth = auth
         self.tokenizer = load_tokenizer(client.status.model_path)
@@ -263,6 +266,7 @@ class OpenAIServer:
             raise
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
+        _bound_send_buffer(request)
         n = len(gens)
         last_t, started, sent, finals = None, [False] * n, [0] * n, [None] * n
         try:
@@ -280,7 +284,7 @@ class OpenAIServer:
                         lps = view.logprobs(self, out.logprobs, out.prompt_logprobs, chat, sent[i], first)
                     chunk = oai.completion_chunk(rid, model, view.text(out.text, first), _finish(out.finish_reason),
                                                  chat, first=first, logprobs=lps, index=i)
-                    await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+                    await self.send(resp, b"data: " + json.dumps(chunk).encode() + b"\n\n")
                     started[i] = True
                     if first and view.prompt is not None:
                         sent[i] += len(view.prompt)
@@ -297,16 +301,31 @@ class OpenAIServer:
                                 max(o.cached_tokens for o in finals))
                 chunk = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                          "created": int(time.time()), "model": model, "choices": [], "usage": use}
-                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
+                await self.send(resp, b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await self.send(resp, b"data: [DONE]\n\n")
         except EngineError as e:
-            await resp.write(b"data: " + json.dumps(ApiError(e.status, str(e)).body()).encode() + b"\n\n")
+            try:
+                await self.send(resp, b"data: " + json.dumps(ApiError(e.status, str(e)).body()).encode() + b"\n\n")
+            except _SlowReader:
+                _hang_up(request)
+        except _SlowReader:
+            metrics.SLOW_READERS.labels("timeout").inc()
+            log.warning("client of %s read nothing for %.0f s; aborting it", rid, self.stream_timeout)
+            _hang_up(request)
         except (ConnectionResetError, asyncio.CancelledError):
             log.info("client of %s went away; aborting it", rid)
             raise
         finally:
             await gens.aclose()          # aborts the requests in the engine that are still running
         return resp
+
+    async def send(self, resp: web.StreamResponse, data: bytes) -> None:
+        """Write one event; a client that has not taken any for stream_timeout seconds is a _SlowReader
+        (what waits for it is bounded: the send buffer, aiohttp's 64 KiB, MAX_BUFFERED outputs)."""
+        try:
+            await asyncio.wait_for(resp.write(data), self.stream_timeout)
+        except asyncio.TimeoutError:
+            raise _SlowReader() from None
 
     def observe(self, request: web.Request, adapter: str | None, finish: str | None, start: float) -> None:
         metrics.E2E.observe(time.monotonic() - start)
@@ -364,6 +383,27 @@ class OpenAIServer:
         return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+class _SlowReader(Exception):
+    """A streaming client took nothing for stream_timeout seconds."""
+
+
+STREAM_SNDBUF = 64 << 10     # bytes the kernel holds for one streamed response (no autotuning to megabytes)
+
+
+def _bound_send_buffer(request: web.Request) -> None:
+    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
+    except (AttributeError, OSError):       # not a TCP socket (tests), or refused: the default buffer stays
+        pass
+
+
+def _hang_up(request: web.Request) -> None:
+    """Close a slow reader's connection at once, dropping what its buffers hold."""
+    if request.transport is not None:
+        request.transport.abort()
+
+
 class _Echo:
     """How a completion's text and logprobs are shown with `echo` (the prompt first) and with echo and
     max_tokens 0 (only the prompt: the one token computed is dropped). Without echo: as they are."""
@@ -394,9 +434,10 @@ def _finish(reason: str | None) -> str | None:
     return "stop" if reason == "abort" else reason
 
 
-async def serve(engine_address: str, host: str, port: int, auth: Auth, frontend_id: str) -> None:
-    client = await AsyncEngineClient(engine_address, frontend_id).connect(timeout=600)
-    server = OpenAIServer(client, auth)
+async def serve(engine_address: str, host: str, port: int, auth: Auth, frontend_id: str,
+                stream_timeout: float = 60.0, stream_buffer: int = MAX_BUFFERED) -> None:
+    client = await AsyncEngineClient(engine_address, frontend_id, stream_buffer).connect(timeout=600)
+    server = OpenAIServer(client, auth, stream_timeout)
     # handler_cancellation: a client that goes away cancels its handler, which aborts its engine requests
     # (also for non-streamed requests, which write nothing until they finish)
     runner = web.AppRunner(server.app(), access_log=None, handle_signals=False, handler_cancellation=True)
@@ -419,12 +460,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--frontend-id", default=f"http-{os.getpid()}")
+    p.add_argument("--stream-timeout", type=float, default=60.0)
+    p.add_argument("--stream-buffer", type=int, default=MAX_BUFFERED)
     args = p.parse_args(argv)
     auth = parse_auth(envs.auth_config(), envs.api_key())
     logging.basicConfig(level=envs.log_level(),
                         format=f"%(asctime)s {args.frontend_id} %(levelname)s %(message)s")
     import uvloop
-    uvloop.run(serve(args.engine_address, args.host, args.port, auth, args.frontend_id))
+    uvloop.run(serve(args.engine_address, args.host, args.port, auth, args.frontend_id, args.stream_timeout,
+                     args.stream_buffer))
     return 0
 
 

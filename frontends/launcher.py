@@ -74,8 +74,10 @@ class Child:
 
 
 def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, frontends: int,
-          api_key: str | None, loading: dict | None = None, auth: dict | None = None) -> int:
-    """loading: {"lora_roots": [...], "runtime_lora": bool}, the runtime adapter loading rules."""
+          api_key: str | None, loading: dict | None = None, auth: dict | None = None,
+          streaming: tuple[float, int] = (60.0, 1024)) -> int:
+    """loading: {"lora_roots": [...], "runtime_lora": bool}, the runtime adapter loading rules; streaming:
+    (--stream-timeout, --stream-buffer) of the frontends."""
     run_dir = Path(tempfile.mkdtemp(prefix="loraplex-"))
     prom_dir = run_dir / "metrics"
     prom_dir.mkdir()
@@ -100,7 +102,8 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
         engine_argv += ["--max-waiting", str(loading["max_waiting"])]
     engine = Child("engine", engine_argv, env)
     fronts = [Child(f"frontend-{i}", [py, "-m", "frontends.http_server", "--engine-address", address, "--host", host,
-                                      "--port", str(port), "--frontend-id", f"http-{i}"], env)
+                                      "--port", str(port), "--frontend-id", f"http-{i}",
+                                      "--stream-timeout", str(streaming[0]), "--stream-buffer", str(streaming[1])], env)
               for i in range(frontends)]
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

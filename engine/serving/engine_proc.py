@@ -25,7 +25,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine import envs
+from engine import envs, metrics
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.output_processor import OutputProcessor
@@ -271,6 +271,7 @@ class AsyncEngine:
     # -- outputs ----------------------------------------------------------------------------------------
     async def deliver(self, deltas: list[RequestOutput]) -> None:
         """Each delta to the frontend that asked (a non-streaming request's only once it finished)."""
+        metrics.GENERATED_TOKENS.inc(sum(len(d.token_ids) for d in deltas))
         for d in deltas:
             identity = self.owner.get(d.request_id)
             if identity is None:

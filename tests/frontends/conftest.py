@@ -47,7 +47,7 @@ def tiny_served(tmp_path_factory, model_dir):
     from bench.tiny_model import make_tiny_llama
     from engine.config import ModelConfig
     d = tmp_path_factory.mktemp("tiny-served")
-    model = make_tiny_llama(d / "model", model_dir)
+    model = make_tiny_llama(d / "model", model_dir, max_positions=2048)
     cfg = ModelConfig.from_dir(model, torch.float32)
     for i, r in enumerate((2, 5, 8)):
         write_peft_adapter(d / "adapters" / f"tiny-r{r}", cfg, r, ("q_proj", "v_proj"), seed=i, std=0.2)

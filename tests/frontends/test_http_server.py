@@ -296,7 +296,7 @@ def test_kill_9_of_a_frontend_frees_its_requests_and_it_is_restarted(server):
         frontend = r.headers["X-Loraplex-Frontend"]
         lines = r.iter_lines()
         next(lines)
-        pattern = f"--engine-address {server.engine_address} .*--frontend-id {frontend}$"   # this server's only
+        pattern = f"--engine-address {server.engine_address} .*--frontend-id {frontend}( |$)"   # this server's only
         pid = int(subprocess.run(["pgrep", "-f", "--", pattern], capture_output=True, text=True).stdout.split()[0])
         os.kill(pid, signal.SIGKILL)
 

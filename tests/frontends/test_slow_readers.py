@@ -1,0 +1,89 @@
+"""A streaming client that stops reading stalls no one and is aborted: after --stream-timeout when its
+response waits in the (bounded) send buffers, or at once when --stream-buffer outputs pile up behind it; the
+engine's pages are freed either way (--stream-timeout 3, --stream-buffer 64 here). Real processes, a tiny
+random Llama."""
+from __future__ import annotations
+
+import json
+import socket
+import urllib.parse
+
+import pytest
+import requests
+
+from tests.frontends.server_fixture import Server, metric, wait_until
+
+BUFFER = 64       # --stream-buffer: outputs of one request that may wait for its reader
+
+
+@pytest.fixture(scope="module")
+def slow_server(tiny_served):
+    model, adapters = tiny_served
+    s = Server("--model", str(model), "--dtype", "float32", "--adapter-dir", str(adapters), "--frontends", "1",
+               "--stream-timeout", "3", "--stream-buffer", str(BUFFER))
+    yield s
+    assert s.stop() == 0
+
+
+def stalled_stream(url: str, body: dict) -> socket.socket:
+    """Send a streaming request on a socket with a tiny receive buffer and never read from it."""
+    u = urllib.parse.urlparse(url)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect((u.hostname, u.port))
+    data = json.dumps({**body, "stream": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    return sock
+
+
+def metrics_of(server) -> str:
+    return requests.get(server.url + "/metrics", timeout=10).text
+
+
+def engine_idle(server) -> bool:
+    text = metrics_of(server)
+    return metric(text, "loraplex_requests_running") == 0 and metric(text, "loraplex_pool_pages", 'kind="kv"') == 0
+
+
+def served_meanwhile(server) -> bool:
+    r = requests.post(server.url + "/v1/completions", timeout=30,
+                      json={"model": "tiny-r5", "prompt": "Hi", "max_tokens": 4, "ignore_eos": True})
+    return r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_reader_that_takes_nothing_is_aborted_after_the_timeout(slow_server):
+    body = {"model": "model", "prompt": "Tell me everything", "max_tokens": BUFFER - 4, "n": 4, "ignore_eos": True,
+            "logprobs": 20}             # 240 events of ~1.5 KB: more than the send buffers hold, less than BUFFER
+    sock = stalled_stream(slow_server.url, body)
+    try:
+        assert served_meanwhile(slow_server)
+        assert wait_until(lambda: metric(metrics_of(slow_server), "loraplex_slow_reader_aborts_total",
+                                         'cause="timeout"') == 1, timeout=30)
+        assert wait_until(lambda: engine_idle(slow_server), timeout=10)
+        sock.settimeout(10)
+        received = b""
+        while chunk := sock.recv(1 << 16):            # what the buffers held, then the hang-up
+            received += chunk
+        assert b"[DONE]" not in received
+    except ConnectionResetError:
+        pass                                          # the hang-up dropped what was buffered
+    finally:
+        sock.close()
+    assert served_meanwhile(slow_server)
+
+
+def test_a_reader_that_falls_stream_buffer_outputs_behind_is_aborted_and_its_pages_freed(slow_server):
+    tokens_before = metric(metrics_of(slow_server), "loraplex_generation_tokens_total")
+    wanted = 1500
+    body = {"model": "tiny-r8", "prompt": "Count", "max_tokens": wanted, "ignore_eos": True, "logprobs": 5}
+    sock = stalled_stream(slow_server.url, body)
+    try:
+        assert wait_until(lambda: metric(metrics_of(slow_server), "loraplex_slow_reader_aborts_total",
+                                         'cause="buffer"') == 1, timeout=2.5)    # before the timeout
+        assert wait_until(lambda: engine_idle(slow_server), timeout=10)
+        generated = metric(metrics_of(slow_server), "loraplex_generation_tokens_total") - tokens_before
+        assert BUFFER <= generated < wanted      # aborted in the engine, not run to the end for nobody
+    finally:
+        sock.close()
+    assert served_meanwhile(slow_server)
