@@ -6,7 +6,7 @@ STAMP   := $(VENV)/.installed
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: setup serve test bench clean gpu-check
+.PHONY: setup serve test bench clean gpu-check soak
 
 setup: $(STAMP)
 
@@ -28,6 +28,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_engine.py
+
+# 10,000 requests over 1,000 adapters, two frontends, tenants, 10% abandoned, a frontend and the engine
+# SIGKILLed mid-run; prints the figures and fails if a check does (tests/bench/test_soak.py: the short one)
+soak: $(STAMP)
+	$(BIN)/python -m bench.soak
 
 clean:
 	rm -rf $(VENV)
