@@ -63,6 +63,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from frontends.launcher import serve
+    if args.replicas > 1:
+        from frontends.ray_launcher import serve_on_ray
+        return serve_on_ray(args.argv, args.replicas, args.max_adapters_per_replica, args.host, args.port,
+                            args.ray_address)
     kwargs = engine_kwargs(args)
     if args.adapter_dir:
         kwargs.pop("adapter_dir", None)
@@ -134,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a streaming client may take nothing before it is aborted (its pages freed)")
     s.add_argument("--stream-buffer", type=int, default=1024,
                    help="outputs of one request that may wait for a slow client before it is aborted")
+    s.add_argument("--replicas", type=int, default=1,
+                   help=">= 2: that many engine replicas behind one endpoint on Ray Serve (pip install loraplex[ray])")
+    s.add_argument("--ray-address", default=None, help="the Ray cluster to join (default: start a local one)")
+    s.add_argument("--max-adapters-per-replica", type=int, default=64,
+                   help="adapters Ray Serve routes to one replica before it sends them elsewhere")
     s.set_defaults(func=_serve, auth=None)
     return parser
 
@@ -144,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     _apply_config(parser, argv)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return args.func(args)
     except (ValueError, LookupError) as e:

@@ -1,0 +1,268 @@
+"""loraplex replicas on Ray Serve: each request goes to where its adapter lives.
+
+Three deployments (needs the optional extra: `pip install loraplex[ray]`):
+- `EngineReplica` (N of them): one whole `loraplex serve` (engine + one HTTP frontend, its own pool) as a
+  child process of the replica; requests reach it as (method, path, headers, body) and its answer streams
+  back as bytes, a JSON head first. Its `@serve.multiplexed` loader is Ray Serve's record of which adapters
+  live on it (the engine itself loads them on first use): the router sends an adapter's requests to a
+  replica that holds it while it has room (`max_adapters_per_replica`).
+- `Directory` (1): where each replica's server listens, so that load / unload / models / health / metrics
+  reach every replica.
+- `Ingress` (1, the HTTP entry): the same OpenAI API as one server. Completions and chat go through the
+  replica handle with `multiplexed_model_id` = the adapter (base-model requests without one: Ray's router
+  picks the less loaded of two replicas); a replica that fails before answering is tried once more, after
+  that a 503; a stream cut by a dead replica ends with an error event. Every response carries
+  `x-loraplex-replica`. Validation, tenants and keys are each replica's own (the same config everywhere).
+
+`build_app(serve_args, replicas, max_adapters)` makes the application; `app_builder` is the same for
+`serve run frontends.ray_app:app_builder replicas=2 serve_args="--model DIR ..."` or a Serve config file.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+
+import aiohttp
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+GENERATE = ("/v1/completions", "/v1/chat/completions")
+BROADCAST = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+HEADER = "x-loraplex-replica"
+
+
+def _error(status: int, message: str) -> dict:
+    kind = {503: "service_unavailable", 400: "invalid_request_error"}.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when the replica's process dies (no orphaned engines)."""
+    import ctypes
+    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)     # PR_SET_PDEATHSIG
+
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+class Directory:
+    """Replica name -> {"url", "pid", "model"} of the loraplex server it runs."""
+
+    def __init__(self):
+        self.replicas: dict[str, dict] = {}
+
+    def register(self, name: str, info: dict) -> None:
+        self.replicas[name] = info
+
+    def forget(self, name: str) -> None:
+        self.replicas.pop(name, None)
+
+    def all(self) -> dict[str, dict]:
+        return dict(self.replicas)
+
+
+class _Replica:
+    """One loraplex server per replica (see the module doc). Subclassed by `replica_deployment` to fix
+    Ray Serve's per-replica adapter bound."""
+
+    async def __init__(self, serve_args: list[str], directory: DeploymentHandle):
+        self.name = serve.get_replica_context().replica_id.unique_id
+        host = os.environ.get("LORAPLEX_REPLICA_HOST", "127.0.0.1")
+        self.proc = subprocess.Popen([sys.executable, "-m", "frontends.cli", "serve", "--host", host, "--port", "0",
+                                      "--frontends", "1", *serve_args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, preexec_fn=_die_with_parent)
+        self.url, self.model = await asyncio.get_running_loop().run_in_executor(None, self._wait_ready)
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
+        self.directory = directory
+        await directory.register.remote(self.name, {"url": self.url, "pid": os.getpid(), "model": self.model})
+
+    def _wait_ready(self) -> tuple[str, str]:
+        for line in self.proc.stdout:
+            m = re.search(r"serving (\S+) at (http://\S+)/v1", line)
+            if m:
+                threading.Thread(target=self._drain, daemon=True).start()
+                return m.group(2), m.group(1)
+            print(line, end="", flush=True)
+        raise RuntimeError("the replica's loraplex server did not start")
+
+    def _drain(self) -> None:
+        for line in self.proc.stdout:
+            print(line, end="", flush=True)
+
+    async def adapter(self, name: str) -> str:       # decorated with serve.multiplexed in replica_deployment
+        return name
+
+    async def __call__(self, method: str, path: str, headers: dict, body: bytes):
+        """Forward one request to this replica's server; yield a JSON head (status, headers, replica),
+        then the body as it comes."""
+        model = serve.get_multiplexed_model_id()
+        if model:
+            await self.adapter(model)
+        async with self.session.request(method, self.url + path, headers=headers, data=body) as r:
+            head = {"status": r.status, "replica": self.name,
+                    "headers": {k: v for k, v in r.headers.items() if k.lower() in ("content-type", "retry-after")}}
+            yield json.dumps(head).encode()
+            async for chunk in r.content.iter_any():
+                yield chunk
+
+    def check_health(self) -> None:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the replica's loraplex server exited with {self.proc.returncode}")
+
+    def __del__(self):
+        proc = getattr(self, "proc", None)
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+
+
+def replica_deployment(max_adapters: int, gpus: float = 0):
+    """The replica deployment with Ray Serve's bound on adapters per replica. The replica's own process
+    takes no CPU in Ray's accounting (its server's processes do the work); `gpus`: GPUs per replica."""
+    class EngineReplica(_Replica):
+        @serve.multiplexed(max_num_models_per_replica=max_adapters)
+        async def adapter(self, name: str) -> str:
+            return name
+    return serve.deployment(name="EngineReplica", max_ongoing_requests=256, health_check_period_s=2,
+                            health_check_timeout_s=30,
+                            ray_actor_options={"num_cpus": 0, "num_gpus": gpus})(EngineReplica)
+
+
+@serve.deployment(max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+class Ingress:
+    def __init__(self, replicas: DeploymentHandle, directory: DeploymentHandle):
+        self.replicas, self.directory = replicas, directory
+        self.session: aiohttp.ClientSession | None = None
+        self.base: set[str] = set()         # the base model's name(s): requests for it carry no adapter
+
+    async def __call__(self, request: Request) -> Response:
+        body, path = await request.body(), request.url.path
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+        if request.method == "POST" and path in GENERATE:
+            return await self.generate(request.method, path, headers, body)
+        if request.method == "POST" and path in BROADCAST:
+            return await self.everywhere(request.method, path, headers, body, first_error=True)
+        if path == "/v1/models":
+            return await self.models(headers)
+        if path == "/health":
+            return await self.health()
+        if path == "/metrics":
+            return await self.metrics()
+        return await self.forward(request.method, path, headers, body, "")
+
+    # -- generation: one replica, chosen by adapter -------------------------------------------------------
+    async def generate(self, method: str, path: str, headers: dict, body: bytes) -> Response:
+        try:
+            model = json.loads(body).get("model")
+        except (ValueError, AttributeError):
+            model = None                       # the replica answers with the 400 that names the problem
+        if not self.base:
+            self.base = {info["model"] for info in (await self.directory.all.remote()).values()}
+        adapter = model if isinstance(model, str) and model and model not in self.base else ""
+        return await self.forward(method, path, headers, body, adapter)
+
+    async def forward(self, method: str, path: str, headers: dict, body: bytes, adapter: str) -> Response:
+        for attempt in range(2):
+            gen = self.replicas.options(multiplexed_model_id=adapter, stream=True).remote(method, path, headers, body)
+            try:
+                head = json.loads(await gen.__anext__())
+            except Exception:  # noqa: BLE001 - a replica that died or failed before answering: once more
+                if attempt == 1:
+                    return JSONResponse(_error(503, "no replica could serve this request"), status_code=503)
+                await asyncio.sleep(0.2)
+                continue
+            return StreamingResponse(self._rest(gen, head), status_code=head["status"],
+                                     headers={**head["headers"], HEADER: head["replica"]})
+
+    @staticmethod
+    async def _rest(gen, head: dict):
+        try:
+            async for chunk in gen:
+                yield chunk
+        except Exception:  # noqa: BLE001 - the replica died mid-answer: say so, in the stream's own terms
+            if head["headers"].get("Content-Type", "").startswith("text/event-stream"):
+                yield b"data: " + json.dumps(_error(503, "the replica serving this stream failed")).encode() + b"\n\n"
+
+    # -- every replica --------------------------------------------------------------------------------------
+    async def _each(self, method: str, path: str, headers: dict, body: bytes | None) -> list[tuple[str, int, bytes]]:
+        if self.session is None:
+            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
+        replicas = await self.directory.all.remote()
+
+        async def one(name: str, url: str):
+            try:
+                async with self.session.request(method, url + path, headers=headers, data=body) as r:
+                    return name, r.status, await r.read()
+            except aiohttp.ClientError:
+                await self.directory.forget.remote(name)      # gone (replaced by Ray Serve): forget it
+                return name, 503, json.dumps(_error(503, f"replica {name} is unavailable")).encode()
+        return list(await asyncio.gather(*(one(n, info["url"]) for n, info in replicas.items())))
+
+    async def everywhere(self, method, path, headers, body, first_error: bool) -> Response:
+        """Load / unload on every replica: ok if every replica says ok, else the first error."""
+        answers = await self._each(method, path, headers, body)
+        if not answers:
+            return JSONResponse(_error(503, "no replica is up"), status_code=503)
+        bad = [a for a in answers if a[1] != 200]
+        name, status, data = bad[0] if bad else answers[0]
+        return Response(data, status_code=status, media_type="application/json",
+                        headers={HEADER: ",".join(a[0] for a in answers)})
+
+    async def models(self, headers: dict) -> Response:
+        answers = await self._each("GET", "/v1/models", headers, None)
+        ok = [a for a in answers if a[1] == 200]
+        if not ok:
+            name, status, data = answers[0] if answers else ("", 503, json.dumps(_error(503, "no replica")).encode())
+            return Response(data, status_code=status, media_type="application/json")
+        seen, data = set(), []
+        for _, _, raw in ok:
+            for m in json.loads(raw)["data"]:
+                if m["id"] not in seen:
+                    seen.add(m["id"])
+                    data.append(m)
+        return JSONResponse({"object": "list", "data": data}, headers={HEADER: ",".join(a[0] for a in ok)})
+
+    async def health(self) -> Response:
+        answers = await self._each("GET", "/health", {}, None)
+        up = [a[0] for a in answers if a[1] == 200]
+        status = 200 if answers and len(up) == len(answers) else 503
+        return JSONResponse({"status": "ok" if status == 200 else "degraded", "replicas": len(answers), "up": len(up)},
+                            status_code=status, headers={HEADER: ",".join(up)})
+
+    async def metrics(self) -> Response:
+        """Each replica's Prometheus text, every sample labelled with its replica."""
+        out = []
+        for name, status, raw in await self._each("GET", "/metrics", {}, None):
+            if status != 200:
+                continue
+            for line in raw.decode().splitlines():
+                if line.startswith("#") or not line:
+                    continue
+                metric, _, value = line.rpartition(" ")
+                label = f'replica="{name}"'
+                metric = metric[:-1] + "," + label + "}" if metric.endswith("}") else metric + "{" + label + "}"
+                out.append(f"{metric} {value}")
+        return Response("\n".join(out) + "\n", media_type="text/plain; version=0.0.4")
+
+
+def build_app(serve_args: list[str], replicas: int, max_adapters: int = 64, gpus_per_replica: float = 0):
+    """The application: `replicas` engine replicas, each `loraplex serve <serve_args>`."""
+    directory = Directory.bind()
+    engines = replica_deployment(max_adapters, gpus_per_replica).options(num_replicas=replicas).bind(serve_args,
+                                                                                                     directory)
+    return Ingress.bind(engines, directory)
+
+
+def app_builder(args: dict):
+    """For `serve run frontends.ray_app:app_builder replicas=2 serve_args="--model DIR ..."` and Serve
+    config files (`applications[].import_path` with `args`)."""
+    import shlex
+    serve_args = args.get("serve_args", "")
+    serve_args = shlex.split(serve_args) if isinstance(serve_args, str) else list(serve_args)
+    return build_app(serve_args, int(args.get("replicas", 2)), int(args.get("max_adapters_per_replica", 64)),
+                     float(args.get("gpus_per_replica", 0)))

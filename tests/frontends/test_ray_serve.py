@@ -1,0 +1,143 @@
+"""`loraplex serve --replicas 2` on a local Ray instance (frontends/ray_app.py): the OpenAI surface through
+the official client, adapter affinity (x-loraplex-replica), load / unload on every replica, the union of
+models, and a replica killed mid-run losing no request silently. Tiny random Llama, small KV pools."""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+
+import openai
+import pytest
+import requests
+
+from tests.frontends.server_fixture import wait_until
+
+pytest.importorskip("ray.serve")
+
+
+class RayServer:
+    def __init__(self, *args: str, timeout: float = 300):
+        self.proc = subprocess.Popen([sys.executable, "-m", "frontends.cli", "serve", "--replicas", "2", "--port", "0",
+                                      *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.lines: list[str] = []
+        ready = threading.Event()
+
+        def read():
+            for line in self.proc.stdout:
+                self.lines.append(line)
+                if "loraplex: serving" in line:
+                    ready.set()
+        threading.Thread(target=read, daemon=True).start()
+        if not ready.wait(timeout):
+            self.stop()
+            raise RuntimeError("the Ray application did not start:\n" + "".join(self.lines[-60:]))
+        self.url = re.search(r"at (http://\S+)/v1", next(l for l in self.lines if "loraplex: serving" in l)).group(1)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            return self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def ray_server(tiny_served, tmp_path_factory):
+    model, adapters = tiny_served
+    roots = tmp_path_factory.mktemp("ray-roots")
+    shutil.copytree(adapters / "tiny-r5", roots / "late-r5")
+    s = RayServer("--model", str(model), "--dtype", "float32", "--adapter-dir", str(adapters), "--lora-roots",
+                  str(roots), "--kv-cache-memory-bytes", str(64 << 20), "--max-adapters-per-replica", "2")
+    s.roots = roots
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture()
+def client(ray_server):
+    return openai.OpenAI(base_url=ray_server.url + "/v1", api_key="none", max_retries=0)
+
+
+def replica_of(client, model: str) -> str:
+    raw = client.completions.with_raw_response.create(model=model, prompt="Hi", max_tokens=3, extra_body={
+        "ignore_eos": True})
+    assert raw.parse().usage.completion_tokens == 3
+    return raw.headers["x-loraplex-replica"]
+
+
+def test_openai_client_completions_chat_and_streams(client):
+    out = client.completions.create(model="tiny-r2", prompt="Hello", max_tokens=4, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 4 and out.model == "tiny-r2"
+    chat = client.chat.completions.create(model="tiny-r8", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert chat.choices[0].message.content is not None
+    chunks = list(client.chat.completions.create(model="model", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=5, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens <= 5 and any(c.choices and c.choices[0].delta.content for c in chunks)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-adapter", prompt="Hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="'n'"):
+        client.completions.create(model="tiny-r2", prompt="Hi", max_tokens=2, n=99)
+
+
+def test_an_adapters_requests_stay_on_one_replica(client):
+    for adapter in ("tiny-r5", "tiny-r8"):
+        assert len({replica_of(client, adapter) for _ in range(6)}) == 1, adapter
+
+
+def test_load_and_unload_reach_every_replica_and_models_is_the_union(ray_server, client):
+    r = requests.post(ray_server.url + "/v1/load_lora_adapter", timeout=120,
+                      json={"lora_name": "late-r5", "lora_path": str(ray_server.roots / "late-r5")})
+    assert r.status_code == 200, r.text
+    assert len(r.headers["x-loraplex-replica"].split(",")) == 2
+    ids = [m.id for m in client.models.list().data]
+    assert {"model", "tiny-r2", "tiny-r5", "tiny-r8", "late-r5"} <= set(ids) and len(ids) == len(set(ids))
+    assert replica_of(client, "late-r5")
+    r = requests.post(ray_server.url + "/v1/unload_lora_adapter", json={"lora_name": "late-r5"}, timeout=60)
+    assert r.status_code == 200 and len(r.headers["x-loraplex-replica"].split(",")) == 2
+    assert "late-r5" not in [m.id for m in client.models.list().data]
+    health = requests.get(ray_server.url + "/health", timeout=30)
+    assert health.status_code == 200 and health.json()["up"] == 2
+    assert 'replica="' in requests.get(ray_server.url + "/metrics", timeout=30).text
+
+
+def test_a_replica_killed_mid_run_loses_no_request_silently(ray_server, client):
+    """Streams run on both replicas; one replica's process is killed. Each request ends with all its tokens,
+    or with an error it can see (a 503, or an error event in its stream): none hangs, none is cut short
+    without a word. New requests are served, and Ray Serve brings the replica count back to 2."""
+    def one(i: int) -> str:
+        body = {"model": "model", "prompt": f"story {i}", "max_tokens": 300, "ignore_eos": True, "stream": True,
+                "stream_options": {"include_usage": True}}
+        try:
+            with requests.post(ray_server.url + "/v1/completions", json=body, stream=True, timeout=120) as r:
+                if r.status_code != 200:
+                    return f"error {r.status_code}"
+                lines = [line for line in r.iter_lines() if line]
+        except requests.RequestException as e:
+            return f"connection error {type(e).__name__}"
+        if lines[-1] == b"data: [DONE]":
+            assert b'"completion_tokens": 300' in lines[-2]
+            return "completed"
+        assert b'"error"' in lines[-1], lines[-3:]
+        return "error event"
+    pids = subprocess.run(["pgrep", "-f", "ServeReplica:loraplex:EngineReplica"], capture_output=True,
+                          text=True).stdout.split()
+    assert len(pids) == 2
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(one, i) for i in range(8)]
+        assert wait_until(lambda: requests.get(ray_server.url + "/metrics", timeout=10).text.count(
+            "loraplex_requests_running{") == 2, timeout=30)
+        os.kill(int(pids[0]), signal.SIGKILL)
+        outcomes = [f.result(timeout=180) for f in futures]
+    print("outcomes after the kill:", sorted(outcomes))
+    assert all(o in ("completed", "error event", "error 503") for o in outcomes), outcomes
+    assert "completed" in outcomes
+    assert replica_of(client, "tiny-r2")
+    assert wait_until(lambda: requests.get(ray_server.url + "/health", timeout=30).json().get("up") == 2, timeout=120)
