@@ -129,13 +129,16 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     logprobs: dict[str, Any] | None
 
 
-class Completion(msgspec.Struct, kw_only=True):
+class _Answer(msgspec.Struct, kw_only=True):
     id: str
-    object: Literal["text_completion"]
     created: int
     model: str
-    choices: list[CompletionChoice]
     usage: Usage
+
+
+class Completion(_Answer, kw_only=True):
+    object: Literal["text_completion"]
+    choices: list[CompletionChoice]
 
 
 class AssistantMessage(msgspec.Struct, kw_only=True):
@@ -150,13 +153,9 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     logprobs: dict[str, Any] | None
 
 
-class ChatCompletion(msgspec.Struct, kw_only=True):
-    id: str
+class ChatCompletion(_Answer, kw_only=True):
     object: Literal["chat.completion"]
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage
 
 
 class Model(msgspec.Struct, kw_only=True):

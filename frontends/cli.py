@@ -66,7 +66,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.replicas > 1:
         from frontends.ray_launcher import serve_on_ray
         return serve_on_ray(args.argv, args.replicas, args.max_adapters_per_replica, args.host, args.port,
-                            args.ray_address)
+                            args.ray_address, args.replica_routing)
     kwargs = engine_kwargs(args)
     if args.adapter_dir:
         kwargs.pop("adapter_dir", None)
@@ -143,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ray-address", default=None, help="the Ray cluster to join (default: start a local one)")
     s.add_argument("--max-adapters-per-replica", type=int, default=64,
                    help="adapters Ray Serve routes to one replica before it sends them elsewhere")
+    s.add_argument("--replica-routing", choices=("adapter", "random"), default="adapter",
+                   help="random: ignore adapters when picking a replica (for comparison)")
     s.set_defaults(func=_serve, auth=None)
     return parser
 

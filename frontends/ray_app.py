@@ -135,8 +135,8 @@ def replica_deployment(max_adapters: int, gpus: float = 0):
 
 @serve.deployment(max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
 class Ingress:
-    def __init__(self, replicas: DeploymentHandle, directory: DeploymentHandle):
-        self.replicas, self.directory = replicas, directory
+    def __init__(self, replicas: DeploymentHandle, directory: DeploymentHandle, routing: str = "adapter"):
+        self.replicas, self.directory, self.routing = replicas, directory, routing
         self.session: aiohttp.ClientSession | None = None
         self.base: set[str] = set()         # the base model's name(s): requests for it carry no adapter
 
@@ -164,6 +164,8 @@ class Ingress:
         if not self.base:
             self.base = {info["model"] for info in (await self.directory.all.remote()).values()}
         adapter = model if isinstance(model, str) and model and model not in self.base else ""
+        if self.routing == "random":
+            adapter = ""                # for comparison: Ray's router alone, blind to adapters
         return await self.forward(method, path, headers, body, adapter)
 
     async def forward(self, method: str, path: str, headers: dict, body: bytes, adapter: str) -> Response:
@@ -250,12 +252,14 @@ class Ingress:
         return Response("\n".join(out) + "\n", media_type="text/plain; version=0.0.4")
 
 
-def build_app(serve_args: list[str], replicas: int, max_adapters: int = 64, gpus_per_replica: float = 0):
-    """The application: `replicas` engine replicas, each `loraplex serve <serve_args>`."""
+def build_app(serve_args: list[str], replicas: int, max_adapters: int = 64, gpus_per_replica: float = 0,
+              routing: str = "adapter"):
+    """The application: `replicas` engine replicas, each `loraplex serve <serve_args>`. routing "random":
+    ignore adapters (Ray's default router: the less loaded of two random replicas), for comparison."""
     directory = Directory.bind()
     engines = replica_deployment(max_adapters, gpus_per_replica).options(num_replicas=replicas).bind(serve_args,
                                                                                                      directory)
-    return Ingress.bind(engines, directory)
+    return Ingress.bind(engines, directory, routing)
 
 
 def app_builder(args: dict):
@@ -265,4 +269,4 @@ def app_builder(args: dict):
     serve_args = args.get("serve_args", "")
     serve_args = shlex.split(serve_args) if isinstance(serve_args, str) else list(serve_args)
     return build_app(serve_args, int(args.get("replicas", 2)), int(args.get("max_adapters_per_replica", 64)),
-                     float(args.get("gpus_per_replica", 0)))
+                     float(args.get("gpus_per_replica", 0)), args.get("routing", "adapter"))
