@@ -42,7 +42,10 @@ def configure(cache_dir: str | None = None, enabled: bool | None = None) -> None
         SETTINGS.enabled = enabled
 
 
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
+# Linked without -ffast-math: linking with it adds crtfastmath.o, whose constructor turns on flush-to-zero
+# and denormals-are-zero for the whole process that loads the library (every user's float code with it).
+LINK_FLAGS = ["-shared", "-fopenmp"]
 
 
 @functools.cache
@@ -76,18 +79,23 @@ def build(name: str) -> ctypes.CDLL:
     # a unity build (decoder.c) includes other .c files: they are part of its key too
     included = re.findall(r'^#include "(\w+\.c)"', src.read_text(), flags=re.M)
     sources = [src, *(src.parent / c for c in included), *sorted(src.parent.glob("*.h"))]
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(FLAGS).encode()
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + " ".join(FLAGS + LINK_FLAGS).encode()
                          + _cpu_flags().encode()).hexdigest()[:16]
     out = Path(SETTINGS.cache_dir) / "kernels" / f"{name}-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        proc = subprocess.run([cc, *FLAGS, f"-I{src.parent}", str(src), "-o", tmp, "-lm"], capture_output=True,
-                              text=True)
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            raise RuntimeError(f"compiling {src.name} failed: {proc.stderr.strip()[:2000]}")
+        obj = tmp[:-3] + ".o"
+        steps = ([cc, *FLAGS, f"-I{src.parent}", "-c", str(src), "-o", obj], [cc, *LINK_FLAGS, obj, "-o", tmp, "-lm"])
+        for step in steps:
+            proc = subprocess.run(step, capture_output=True, text=True)
+            if proc.returncode != 0:
+                for f in (tmp, obj):
+                    if os.path.exists(f):
+                        os.unlink(f)
+                raise RuntimeError(f"compiling {src.name} failed: {proc.stderr.strip()[:2000]}")
+        os.unlink(obj)
         os.replace(tmp, out)
         log.info("built %s", out)
     return ctypes.CDLL(str(out))

@@ -265,13 +265,13 @@ DEFINE_OPS(bf16, uint16_t, bf16_to_f32, f32_to_bf16, round_bf16)
 DEFINE_OPS(f32, float, f32_id, f32_id, f32_id)
 
 /* argmax_bf16: out[t] = torch.argmax(x[t]) for bf16 rows [T, n] at a stride: the first index of the largest
- * value, or of the first NaN when the row has one (torch treats NaN as the largest). -0 equals +0, and
- * denormals equal zero, as torch compares them here (these kernels are built with -ffast-math, whose
- * start-up code sets the CPU's denormals-are-zero mode for the process).
+ * value, or of the first NaN when the row has one (torch treats NaN as the largest). -0 equals +0;
+ * denormals keep their order (the library is linked without -ffast-math's start-up code, so nothing in
+ * the process runs in denormals-are-zero mode).
  * Greedy sampling reads a decode step's logits once here instead of converting them to fp32 first.
  * Compared as integers (bf16 bits mapped to an order-preserving key), which -ffast-math leaves exact. */
 static inline int32_t bf16_key(uint16_t b) {
-    const int32_t s = (int16_t)((b & 0x7f80) == 0 ? 0 : b);   /* zeros and denormals -> +0 */
+    const int32_t s = (int16_t)((b & 0x7fff) == 0 ? 0 : b);   /* -0 -> +0 */
     return s >= 0 ? s : s ^ 0x7fff;
 }
 
