@@ -18,7 +18,6 @@ from msgspec import Meta
 from ipc.sampling_params import MAX_LOGPROBS
 
 MAX_CHOICES = 16
-Int64 = Annotated[int, Meta(ge=-2 ** 63, le=2 ** 63 - 1)]
 TokenId = Annotated[int, Meta(ge=0, le=2 ** 63 - 1, description="a token id of the model's vocabulary")]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 

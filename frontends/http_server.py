@@ -134,6 +134,8 @@ class OpenAIServer:
             raise
         except Exception:       # a bug of ours: logged with its traceback, answered in the usual error shape
             log.exception("unexpected error in %s %s", request.method, request.path)
+            if request.get("streaming"):
+                raise                  # the status line is sent: aiohttp closes the connection
             return web.json_response(ApiError(500, "internal error (logged by the server)").body(), status=500)
 
     @staticmethod
@@ -266,6 +268,7 @@ class OpenAIServer:
             raise
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
+        request["streaming"] = True
         _bound_send_buffer(request)
         n = len(gens)
         last_t, started, sent, finals = None, [False] * n, [0] * n, [None] * n

@@ -146,7 +146,7 @@ class Ingress:
         if request.method == "POST" and path in GENERATE:
             return await self.generate(request.method, path, headers, body)
         if request.method == "POST" and path in BROADCAST:
-            return await self.everywhere(request.method, path, headers, body, first_error=True)
+            return await self.everywhere(request.method, path, headers, body)
         if path == "/v1/models":
             return await self.models(headers)
         if path == "/health":
@@ -205,7 +205,7 @@ class Ingress:
                 return name, 503, json.dumps(_error(503, f"replica {name} is unavailable")).encode()
         return list(await asyncio.gather(*(one(n, info["url"]) for n, info in replicas.items())))
 
-    async def everywhere(self, method, path, headers, body, first_error: bool) -> Response:
+    async def everywhere(self, method: str, path: str, headers: dict, body: bytes) -> Response:
         """Load / unload on every replica: ok if every replica says ok, else the first error."""
         answers = await self._each(method, path, headers, body)
         if not answers:
