@@ -42,6 +42,7 @@ clean:
 GPU_CHECK_OUT ?= gpu-check.txt
 gpu-check: $(STAMP)
 	$(BIN)/python -c "import torch; assert torch.cuda.is_available(), 'gpu-check needs a CUDA device'; print(torch.cuda.get_device_name())" | tee $(GPU_CHECK_OUT)
-	TRITON_INTERPRET=0 LORAPLEX_TEST_DEVICE=cuda $(BIN)/python -m pytest -q tests/kernels/test_backends.py tests/kernels/triton tests/engine/test_backend_fidelity.py 2>&1 | tee -a $(GPU_CHECK_OUT)
+	TRITON_INTERPRET=0 LORAPLEX_TEST_DEVICE=cuda $(BIN)/python -m pytest -q tests/kernels/test_backends.py tests/kernels/triton tests/engine/test_backend_fidelity.py \
+		tests/engine/lora/test_distinct_adapters.py tests/engine/lora/test_page_copier.py 2>&1 | tee -a $(GPU_CHECK_OUT)
 	TRITON_INTERPRET=0 $(BIN)/python -m bench.bench_engine --device cuda --repeats 3 2>&1 | tee -a $(GPU_CHECK_OUT)
 	TRITON_INTERPRET=0 $(BIN)/python -m bench.bench_lora --device cuda 2>&1 | tee -a $(GPU_CHECK_OUT)

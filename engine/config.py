@@ -122,14 +122,22 @@ class SchedulerConfig:
 class LoraConfig:
     """Multi-LoRA limits, named as vLLM's flags.
 
-    max_loras: distinct adapters in one step (and CPU compute slots); max_lora_rank: the largest rank
+    max_loras: distinct adapters in one step. None (the default) leaves it to the backend: backends that
+    compute from slots (CPU, reference) get DEFAULT_SLOTS of them; the Triton backend reads adapters in
+    place in the pool's pages, so there the pool alone bounds it. max_lora_rank: the largest rank
     accepted; max_cpu_loras / max_cpu_lora_bytes: the host-memory tier between disk and the page pool."""
+    DEFAULT_SLOTS = 8
     enable_lora: bool = True
-    max_loras: int = 8
+    max_loras: int | None = None
     max_lora_rank: int = 64
     max_cpu_loras: int = 64
     max_cpu_lora_bytes: int = 4 << 30
     starvation_steps: int = 64
+
+    @property
+    def num_slots(self) -> int:
+        """Compute slots for backends that copy adapters into slots."""
+        return self.max_loras or self.DEFAULT_SLOTS
 
 
 @dataclass(frozen=True)
@@ -163,7 +171,8 @@ class EngineConfig:
 
     def validate(self) -> None:
         s, c, lo = self.scheduler, self.cache, self.lora
-        for name, value in (("max_loras", lo.max_loras), ("max_lora_rank", lo.max_lora_rank),
+        max_loras = 1 if lo.max_loras is None else lo.max_loras
+        for name, value in (("max_loras", max_loras), ("max_lora_rank", lo.max_lora_rank),
                             ("max_cpu_loras", lo.max_cpu_loras), ("max_num_seqs", s.max_num_seqs),
                             ("max_num_batched_tokens", s.max_num_batched_tokens),
                             ("block_size", c.block_size), ("kv_cache_memory_bytes", c.kv_cache_memory_bytes)):

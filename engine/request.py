@@ -42,7 +42,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
-    blocked_by_cap: int = 0      # steps held back by the max_loras cap
+    blocked_by_cap: int = 0      # steps held back by the max_loras cap or a pool full of running adapters
     cold_start: bool = False     # had to wait for its adapter to load
     counted: bool = False        # counted in the adapter hit/cold-start statistics
     # with params.prompt_logprobs: entry i for prompt token i (None for the first), filled as chunks run

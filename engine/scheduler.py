@@ -136,7 +136,8 @@ class Scheduler:
             out.num_new_tokens.append(n)
             budget -= n
         if adm:
-            self._prefetch(itertools.chain([stop] if stop else [], itertools.islice(offers, 2 * adm.cfg.max_loras)))
+            ahead = 2 * (adm.max_distinct or adm.cfg.DEFAULT_SLOTS)
+            self._prefetch(itertools.chain([stop] if stop else [], itertools.islice(offers, ahead)))
         for req in admitted:
             self.waiting.remove(req)
 

@@ -24,7 +24,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-loras", type=int, default=None, help="distinct adapters in one step")
+    p.add_argument("--max-loras", type=int, default=None,
+                   help="distinct adapters in one step (default: 8 slots on CPU; on Triton, what the pool holds)")
     p.add_argument("--max-lora-rank", type=int, default=None)
     p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in the host-memory tier")
     p.add_argument("--adapter-dir", default=None,

@@ -75,6 +75,7 @@ class AdapterSlots(Protocol):
     adapter in `busy` (running now) is never replaced; the least recently assigned other one may be. An
     adapter is dropped (`drop`) before its pages are freed or reused."""
     slot_of: dict[int, int]   # adapter id -> its slot, for every assigned adapter
+    capacity: int | None      # adapters assignable at once; None: any number (the pool bounds them)
 
     def has(self, adapter_id: int) -> bool: ...
 

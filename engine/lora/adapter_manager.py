@@ -1,5 +1,8 @@
 """The adapter registry and its memory tiers: disk -> host cache -> pages of the unified pool.
 
+The host tier holds each adapter already packed as its pages ([num_pages, page_elems], the model dtype;
+in pinned memory when the pool is on a GPU), so a load from it is one copy (engine/lora/page_copier.py).
+
 Invariants:
 - an adapter is RESIDENT when its packed weights fill `pages` (allocated from the shared PagePool);
 - a resident adapter with `active > 0` (running requests) or `pinned` is never evicted; the others are
@@ -79,7 +82,7 @@ class AdapterManager:
         self.by_name: dict[str, Adapter] = {}
         self.by_id: dict[int, Adapter] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()   # resident adapters, least recent first
-        self.host: OrderedDict[int, HostAdapter] = OrderedDict()
+        self.host: OrderedDict[int, torch.Tensor] = OrderedDict()   # adapter id -> its packed pages
         self.stats = AdapterStats()
         self.on_drop: list = []             # callbacks(adapter_id) when an adapter's weights are gone
         # adapter id -> place in line of its first waiting request, as far as the scheduler's current pass
@@ -111,7 +114,7 @@ class AdapterManager:
         a = Adapter(name, next(self._ids), path, spec, layout, pinned)
         self.by_name[name] = a
         self.by_id[a.adapter_id] = a
-        self._host_put(a.adapter_id, host)
+        self._host_put(a.adapter_id, self._packed(host, layout))
         if pinned:
             self.start_load(a)
         return a
@@ -185,14 +188,15 @@ class AdapterManager:
 
     def _copy_in(self, a: Adapter, data: bytes | None) -> None:
         """Host tier -> pages (parsing and validating the bytes read from disk first)."""
-        host = self.host.get(a.adapter_id)
-        if host is None:
+        packed = self.host.get(a.adapter_id)
+        if packed is None:
             host = load_host_adapter(a.path, self.model, self.cfg.max_lora_rank, a.spec, data)
             if plan_layout(host) != a.layout:
                 raise ValueError(f"adapter {a.name!r}: weights on disk changed since registration")
-            self._host_put(a.adapter_id, host)
+            packed = self._packed(host, a.layout)
+            self._host_put(a.adapter_id, packed)
         self.host.move_to_end(a.adapter_id)
-        self.copier.copy(a.adapter_id, a.pages, pack(host, a.layout, self.page_elems))
+        self.copier.copy(a.adapter_id, a.pages, packed)
 
     def poll(self) -> list[tuple[Adapter, str]]:
         """Start the page copy of loads whose read is done, finish those whose copy has landed; return
@@ -289,11 +293,18 @@ class AdapterManager:
             cb(a.adapter_id, True)
 
     # -- host tier --------------------------------------------------------------------------------------
-    def _host_put(self, adapter_id: int, host: HostAdapter) -> None:
-        self.host[adapter_id] = host
+    def _packed(self, host: HostAdapter, layout: PackedLayout) -> torch.Tensor:
+        """The adapter as its pages, pinned when they will be copied to a GPU (no staging copy per load)."""
+        packed = pack(host, layout, self.page_elems)
+        return packed.pin_memory() if self.copier.cuda else packed
+
+    def _host_put(self, adapter_id: int, packed: torch.Tensor) -> None:
+        """Keep at most max_cpu_loras adapters and max_cpu_lora_bytes (but always the newest one). An entry
+        dropped while its copy is in flight stays alive in the copier until the copy lands."""
+        self.host[adapter_id] = packed
         self.host.move_to_end(adapter_id)
         while len(self.host) > self.cfg.max_cpu_loras or (
-                len(self.host) > 1 and sum(h.nbytes for h in self.host.values()) > self.cfg.max_cpu_lora_bytes):
+                len(self.host) > 1 and sum(t.nbytes for t in self.host.values()) > self.cfg.max_cpu_lora_bytes):
             self.host.popitem(last=False)
 
     # -- reporting --------------------------------------------------------------------------------------

@@ -1,12 +1,14 @@
 """Adapter-aware admission for the scheduler.
 
-Rules: at most `max_loras` distinct adapters among running requests (base requests do not count); a
-request runs only once its adapter is resident in the pool and holds a compute slot; requests whose
+Rules: at most `max_distinct` distinct adapters among running requests (base requests do not count): the
+smaller of `max_loras` and the backend's slot count, or no count at all on a backend that reads adapters in
+the pool's pages (Triton) with max_loras unset, where the pool alone bounds it; a request runs only once
+its adapter is resident in the pool and holds a compute slot; requests whose
 adapter is loading wait in the queue without holding anyone up, and their loads are started (prefetched)
 as soon as the scheduler sees them, but only for as many requests as there are free places (loads for
 requests further back would evict the adapters of those ahead: with many adapters, the pool thrashed).
-When the oldest waiting request has been held back by the cap for `starvation_steps` steps, no new
-adapter is admitted until it fits.
+When the oldest waiting request has been held back by the cap (or, without a cap, by a pool too full of
+running adapters to load its own) for `starvation_steps` steps, no new adapter is admitted until it fits.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ class AdapterAdmission:
         self.adapters = adapters
         self.slots = slots
         self.running: dict[int, int] = {}     # adapter id -> running requests
+        caps = [c for c in (cfg.max_loras, slots.capacity) if c is not None]
+        self.max_distinct: int | None = min(caps) if caps else None
 
     def prefetch(self, req: Request, reserve: int = 0) -> bool:
         """Start loading req's adapter ahead of its turn, if that fits beside `reserve` free pages
@@ -39,13 +43,14 @@ class AdapterAdmission:
         aid = req.adapter_id
         if not aid:
             return True
-        if aid not in self.running and (len(self.running) >= self.cfg.max_loras or freeze_new):
+        capped = self.max_distinct is not None and len(self.running) >= self.max_distinct
+        if aid not in self.running and (capped or freeze_new):
             req.blocked_by_cap += 1
             return False
         if not self.adapters.is_resident(aid):
             req.cold_start = True
-            if may_load:
-                self.adapters.start_load(self.adapters.by_id[aid])
+            if may_load and not self.adapters.start_load(self.adapters.by_id[aid]):
+                req.blocked_by_cap += 1      # the pool is full of running adapters and KV
             return False
         return self.slots.has(aid) or self.slots.can_assign(set(self.running))
 

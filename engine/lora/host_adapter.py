@@ -36,10 +36,6 @@ class HostAdapter:
     modules: dict[tuple[int, str], LoraModule]
 
     @property
-    def nbytes(self) -> int:
-        return sum(m.a.nbytes + m.b.nbytes for m in self.modules.values())
-
-    @property
     def max_rank(self) -> int:
         return max(m.rank for m in self.modules.values())
 

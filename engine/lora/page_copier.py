@@ -1,9 +1,11 @@
 """Copies a packed adapter into its pages of the pool, overlapped with compute where the device allows.
 
-On a CUDA pool the packed pages are staged in pinned host memory and copied on a side stream, with one
-event per adapter: the adapter stays LOADING until its event has completed (`done`), so no step ever
-waits on a copy (the scheduler runs only requests whose adapter is resident), and its pages cannot be
-evicted or reused while the copy still targets them (AdapterManager evicts RESIDENT adapters only).
+On a CUDA pool the packed pages come from the host tier's pinned memory and are copied on a side stream,
+with one event per adapter: the adapter stays LOADING until its event has completed (`done`), so no step
+ever waits on a copy (the scheduler runs only requests whose adapter is resident), and its pages cannot be
+evicted or reused while the copy still targets them (AdapterManager evicts RESIDENT adapters only). The
+side stream first waits for the work already queued on the compute stream: the pages may have held KV
+blocks that a step still in flight reads.
 On the host the copy is done at once on the engine thread: the file was already read on the reader
 thread, and torch work on a second thread was measured to slow the steps (docs/architecture.md).
 """
@@ -24,7 +26,8 @@ class PageCopier:
         if not self.cuda:
             self.storage.index_copy_(0, torch.tensor(pages, dtype=torch.long), packed)
             return
-        staged = packed.pin_memory()
+        staged = packed if packed.is_pinned() else packed.pin_memory()
+        self.stream.wait_stream(torch.cuda.current_stream(self.storage.device))
         with torch.cuda.stream(self.stream):
             index = torch.tensor(pages, dtype=torch.long).to(self.storage.device, non_blocking=True)
             self.storage.index_copy_(0, index, staged.to(self.storage.device, non_blocking=True))

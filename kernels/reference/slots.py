@@ -37,7 +37,7 @@ class LoraSlots:
     def __init__(self, num_slots: int, max_rank: int, shape, storage: torch.Tensor):
         self.storage = storage               # the page pool [num_pages, page_elems]
         S, R, L, H, I = num_slots, max_rank, shape.num_layers, shape.hidden_size, shape.intermediate_size
-        self.num_slots = S
+        self.num_slots = self.capacity = S
         self.dtype = shape.dtype
         self.max_rank = R
         self.max_in = max(H, shape.q_size, I)      # the widest input a LoRA A reads

@@ -34,7 +34,8 @@ class _Entry:
 
 class PagedAdapters:
     """Implements kernels.backend.AdapterSlots by reference to the pool's pages (no copy). Any number of
-    adapters can be assigned: what runs is bounded by the pool (and the scheduler's max_loras)."""
+    adapters can be assigned (`capacity` None): what runs is bounded by the pool (and max_loras if set)."""
+    capacity = None
 
     def __init__(self, shape, storage: torch.Tensor):
         self.storage = storage                        # [num_pages, page_elems]

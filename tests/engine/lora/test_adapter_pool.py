@@ -6,6 +6,7 @@ import torch
 
 from engine.config import LoraConfig
 from engine.lora.adapter_manager import AdapterManager, AdapterState
+from engine.lora.host_adapter import load_host_adapter
 from engine.page_pool import PageKind, PagePool
 from kernels.lora_layout import unpack_module
 from tests.engine.lora.synthetic import TINY, write_adapter
@@ -33,7 +34,8 @@ def test_pages_hold_the_weights_without_rank_padding(tmp_path):
     assert a.layout.num_elems == 2 * (3 * (32 + 32) + 3 * (64 + 32))
     assert len(a.pages) == -(-a.layout.num_elems // PAGE)
     flat = m.storage[torch.tensor(a.pages)].flatten()
-    host = m.host[a.adapter_id]
+    assert torch.equal(m.host[a.adapter_id].flatten(), flat)       # the host tier holds the packed pages
+    host = load_host_adapter(a.path, m.model, 64)
     for key, s in a.layout.modules.items():
         A, B = unpack_module(flat, s)
         assert torch.equal(A, host.modules[key].a) and torch.equal(B, host.modules[key].b)

@@ -65,3 +65,25 @@ def test_a_copy_in_flight_holds_up_nobody_and_cannot_be_evicted(llm):
     assert len(lora_tokens) == 6
     want = llm.generate([[1, 2, 3, 4]], params, adapter="r16-attn")[0].token_ids
     assert lora_tokens == want
+
+
+def test_the_host_tier_holds_packed_pages_so_a_reload_is_one_copy(llm, monkeypatch):
+    """Evicted from the pool, the adapter comes back from the host tier without being read or packed again;
+    the host copy is pinned exactly when the pool is on a GPU (so the side stream copies it with no staging)."""
+    import engine.lora.adapter_manager as manager
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = llm.generate([[1, 2, 3, 4]], params, adapter="r16-attn")[0].token_ids
+    adapters = llm.engine.adapters
+    adapter = adapters.lookup("r16-attn")
+    packed = adapters.host[adapter.adapter_id]
+    assert packed.shape == (len(adapter.pages), adapters.page_elems)
+    assert packed.is_pinned() == (adapters.storage.device.type == "cuda")
+    n = len(adapter.pages)
+    assert adapters.evict_idle(n) == n and adapter.state == AdapterState.DISK
+
+    def no_repacking(*args):
+        raise AssertionError("a load from the host tier packed the adapter again")
+    monkeypatch.setattr(manager, "pack", no_repacking)
+    monkeypatch.setattr(manager, "_read_bytes", no_repacking)
+    assert llm.generate([[1, 2, 3, 4]], params, adapter="r16-attn")[0].token_ids == want
+    assert adapter.state == AdapterState.RESIDENT and adapters.stats.host_hits >= 1

@@ -1,0 +1,91 @@
+"""How many distinct adapters one step may hold: the slot count on backends that compute from slots (8
+unless max_loras says otherwise), the pool alone on the Triton backend (it reads adapters in place in the
+pool's pages), and max_loras on every backend where it is set."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.adapters import write_peft_adapter
+from bench.tiny_model import make_tiny_llama
+from engine.config import LoraConfig, ModelConfig
+from engine.llm import LLM
+from ipc.requests import GenerateRequest
+from ipc.sampling_params import SamplingParams
+from tests.kernels.backends import DEVICE, available_backends
+
+N = 12                                     # more adapters than the default slot count
+PARAMS = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+needs_triton = pytest.mark.skipif("triton" not in available_backends(), reason="no Triton here")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, model_dir):
+    d = tmp_path_factory.mktemp("distinct")
+    make_tiny_llama(d / "model", model_dir, layers=1)
+    cfg = ModelConfig.from_dir(d / "model", torch.float32, "tiny", None)
+    for i in range(N):       # ranks 1..5, two target sets: mixed ranks and modules in one step
+        targets = ("q_proj", "v_proj", "down_proj") if i % 2 else ("k_proj", "o_proj", "gate_proj", "up_proj")
+        write_peft_adapter(d / "adapters" / f"a{i}", cfg, r=1 + i % 5, targets=targets, seed=i, std=0.3)
+    return d
+
+
+def run(d, backend: str, **kw) -> tuple[int, dict[str, list[int]], LLM]:
+    """All N adapter requests at once, stepped by hand: (most distinct adapters running in a step, tokens)."""
+    llm = LLM(model=str(d / "model"), dtype="float32", backend=backend, device=str(DEVICE), max_num_batched_tokens=256,
+              block_size=16, **kw)
+    core = llm.engine
+    for i in range(N):
+        llm.register_adapter(f"a{i}", str(d / "adapters" / f"a{i}"))
+        core.add_request(GenerateRequest(f"r{i}", [1, 20 + i, 300 + 7 * i, 5], PARAMS, adapter=f"a{i}"))
+    peak, tokens = 0, {f"r{i}": [] for i in range(N)}
+    while core.has_unfinished():
+        for out in core.step():
+            tokens[out.request_id] += out.new_token_ids
+        peak = max(peak, len(core.scheduler.admission.running))
+    return peak, tokens, llm
+
+
+@pytest.fixture(scope="module")
+def on_slots(tiny):
+    """The reference backend (compute slots), max_loras unset: the oracle tokens and the slot cap."""
+    peak, tokens, _ = run(tiny, "torch")
+    return peak, tokens
+
+
+def test_slot_backends_hold_their_slot_count(on_slots):
+    peak, tokens = on_slots
+    assert peak == LoraConfig.DEFAULT_SLOTS
+    assert all(len(t) == PARAMS.max_tokens for t in tokens.values())
+    assert len({tuple(t) for t in tokens.values()}) > N // 2, "the adapters change the tokens"
+
+
+@needs_triton
+def test_triton_runs_every_adapter_in_one_step(tiny, on_slots):
+    peak, tokens, llm = run(tiny, "triton")
+    assert llm.engine.slots.capacity is None
+    assert peak == N, "no slot count: all twelve adapters ran in the same steps"
+    assert tokens == on_slots[1]
+
+
+@needs_triton
+def test_max_loras_caps_triton_when_set(tiny, on_slots):
+    peak, tokens, _ = run(tiny, "triton", max_loras=3)
+    assert peak == 3
+    assert tokens == on_slots[1]
+
+
+@needs_triton
+def test_without_a_cap_the_pool_bounds_the_step(tiny, on_slots):
+    """A pool with room for every request's KV but only a few adapters beside it: the step holds what fits,
+    every request finishes, with the same tokens."""
+    probe = LLM(model=str(tiny / "model"), dtype="float32", backend="torch", device=str(DEVICE), block_size=16,
+                kv_cache_memory_bytes=1 << 20)
+    page_bytes = (1 << 20) // probe.engine.pool.num_pages
+    probe.register_adapter("a4", str(tiny / "adapters" / "a4"))           # rank 5, the largest
+    adapter_pages = probe.engine.adapters.lookup("a4").layout.num_pages(probe.engine.adapters.page_elems)
+    num_pages = N + 4 * adapter_pages          # one KV block per request (7 tokens) and about 4 adapters
+    peak, tokens, llm = run(tiny, "triton", kv_cache_memory_bytes=num_pages * page_bytes)
+    assert llm.engine.pool.num_pages == num_pages
+    assert 2 <= peak < N
+    assert tokens == on_slots[1]
