@@ -10,7 +10,9 @@ Semantics (adapter index -1 means "no adapter": the token is left alone):
     shrink:  v[t, :rank[a_t]]  = x[t] @ A(a_t).T                     v: [T, max_rank] float32
     expand:  y[t, col:col+out] += scale[a_t] * v[t, :rank[a_t]] @ B(a_t).T
 BGMV (`bgmv_*`) takes one adapter index per token (decode). SGMV (`sgmv_*`) takes segments: tokens
-seg_start[s] .. seg_start[s+1]-1 all use adapter seg_adapter[s] (prefill), and uses tl.dot on tiles.
+seg_start[s] .. seg_start[s+1]-1 all use adapter seg_adapter[s] (prefill), and uses tl.dot on tiles:
+in full fp32 ("ieee") for a float32 model, where a GPU would otherwise round the operands to TF32, and
+TF32 for bf16 / fp16 weights (which TF32 holds exactly).
 """
 from __future__ import annotations
 
@@ -72,7 +74,7 @@ def _bgmv_expand_kernel(v_ptr, y_ptr, pool_ptr, table_ptr, table_stride, b_off_p
 @triton.jit
 def _sgmv_shrink_kernel(x_ptr, v_ptr, pool_ptr, table_ptr, table_stride, a_off_ptr, rank_ptr, seg_start_ptr,
                         seg_adapter_ptr, n_in, x_stride, v_stride, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     s = tl.program_id(0)
     mb = tl.program_id(1)
     a = tl.load(seg_adapter_ptr + s)
@@ -91,14 +93,14 @@ def _sgmv_shrink_kernel(x_ptr, v_ptr, pool_ptr, table_ptr, table_stride, a_off_p
             m = (ks[:, None] < n_in) & (js[None, :] < r)
             w_t = _paged_masked(pool_ptr, table_ptr, table_stride, a, base + js[None, :] * n_in + ks[:, None], m,
                                 PAGE).to(tl.float32)                   # A^T tile [BLOCK_K, BLOCK_R]
-            acc += tl.dot(x, w_t)
+            acc += tl.dot(x, w_t, input_precision=PRECISION)
         tl.store(v_ptr + ms[:, None] * v_stride + js[None, :], acc, mask=(ms[:, None] < end) & (js[None, :] < r))
 
 
 @triton.jit
 def _sgmv_expand_kernel(v_ptr, y_ptr, pool_ptr, table_ptr, table_stride, b_off_ptr, rank_ptr, scale_ptr,
                         seg_start_ptr, seg_adapter_ptr, n_out, y_col, v_stride, y_stride, PAGE: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     s = tl.program_id(0)
     mb = tl.program_id(1)
     nb = tl.program_id(2)
@@ -117,7 +119,7 @@ def _sgmv_expand_kernel(v_ptr, y_ptr, pool_ptr, table_ptr, table_stride, b_off_p
         m = (js[:, None] < r) & (ns[None, :] < n_out)
         w_t = _paged_masked(pool_ptr, table_ptr, table_stride, a, base + ns[None, :] * r + js[:, None], m,
                             PAGE).to(tl.float32)                       # B^T tile [BLOCK_R, BLOCK_N]
-        delta = tl.dot(v, w_t) * scale
+        delta = tl.dot(v, w_t, input_precision=PRECISION) * scale
         ptr = y_ptr + ms[:, None] * y_stride + y_col + ns[None, :]
         mask = (ms[:, None] < end) & (ns[None, :] < n_out)
         old = tl.load(ptr, mask=mask, other=0.0)
@@ -126,6 +128,10 @@ def _sgmv_expand_kernel(v_ptr, y_ptr, pool_ptr, table_ptr, table_stride, b_off_p
 
 def _block_r(max_rank: int) -> int:
     return max(16, triton.next_power_of_2(max_rank))
+
+
+def _precision(weights: torch.Tensor) -> str:
+    return "ieee" if weights.dtype == torch.float32 else "tf32"
 
 
 def bgmv_shrink(x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor, a_off: torch.Tensor,
@@ -158,7 +164,7 @@ def sgmv_shrink(x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor, a
     grid = (seg_adapter.shape[0], triton.cdiv(max_seg_len, block_m))
     _sgmv_shrink_kernel[grid](x, v, pool, page_table, page_table.stride(0), a_off, rank, seg_start, seg_adapter,
                               n_in, x.stride(0), v.stride(0), PAGE=page_elems, BLOCK_M=block_m,
-                              BLOCK_R=_block_r(max_rank), BLOCK_K=32)
+                              BLOCK_R=_block_r(max_rank), BLOCK_K=32, PRECISION=_precision(pool))
     return v
 
 
@@ -170,4 +176,4 @@ def sgmv_expand(v: torch.Tensor, y: torch.Tensor, pool: torch.Tensor, page_table
     grid = (seg_adapter.shape[0], triton.cdiv(max_seg_len, block_m), triton.cdiv(n_out, 64))
     _sgmv_expand_kernel[grid](v, y, pool, page_table, page_table.stride(0), b_off, rank, scale, seg_start,
                               seg_adapter, n_out, y_col, v.stride(0), y.stride(0), PAGE=page_elems,
-                              BLOCK_M=block_m, BLOCK_R=_block_r(v.shape[1]), BLOCK_N=64)
+                              BLOCK_M=block_m, BLOCK_R=_block_r(v.shape[1]), BLOCK_N=64, PRECISION=_precision(pool))
