@@ -10,8 +10,9 @@ Three deployments (needs the optional extra: `pip install loraplex[ray]`):
   reach every replica.
 - `Ingress` (1, the HTTP entry): the same OpenAI API as one server. Completions and chat go through the
   replica handle with `multiplexed_model_id` = the adapter (base-model requests without one: Ray's router
-  picks the less loaded of two replicas); a replica that fails before answering is tried once more, after
-  that a 503; a stream cut by a dead replica ends with an error event. Every response carries
+  picks the less loaded of two replicas); a replica that fails before its answer is complete is tried
+  once more, after that a 503 (a non-streamed answer is collected whole before it is sent, so it is never
+  cut short); a stream cut by a dead replica ends with an error event. Every response carries
   `x-loraplex-replica`. Validation, tenants and keys are each replica's own (the same config everywhere).
 
 `build_app(serve_args, replicas, max_adapters)` makes the application; `app_builder` is the same for
@@ -173,13 +174,16 @@ class Ingress:
             gen = self.replicas.options(multiplexed_model_id=adapter, stream=True).remote(method, path, headers, body)
             try:
                 head = json.loads(await gen.__anext__())
-            except Exception:  # noqa: BLE001 - a replica that died or failed before answering: once more
+                out_headers = {**head["headers"], HEADER: head["replica"]}
+                if not head["headers"].get("Content-Type", "").startswith("text/event-stream"):
+                    whole = b"".join([chunk async for chunk in gen])
+                    return Response(whole, status_code=head["status"], headers=out_headers)
+            except Exception:  # noqa: BLE001 - a replica that died or failed before its answer was whole: once more
                 if attempt == 1:
                     return JSONResponse(_error(503, "no replica could serve this request"), status_code=503)
                 await asyncio.sleep(0.2)
                 continue
-            return StreamingResponse(self._rest(gen, head), status_code=head["status"],
-                                     headers={**head["headers"], HEADER: head["replica"]})
+            return StreamingResponse(self._rest(gen, head), status_code=head["status"], headers=out_headers)
 
     @staticmethod
     async def _rest(gen, head: dict):
