@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lora-root", action="append", default=[], help="a folder runtime loads may read from")
     p.add_argument("--disable-runtime-lora", action="store_true")
     p.add_argument("--max-waiting", type=int, default=1024, help="requests waiting beyond it get a 429")
-    p.add_argument("--state-file", default=None, help="JSON journal of adapters loaded at run time "
+    p.add_argument("--state-file", default=None, help="JSON Lines journal of adapters loaded at run time "
                    "(registered again when a restarted engine starts)")
     args = p.parse_args(argv)
     logging.basicConfig(level=envs.log_level(), format="%(asctime)s engine %(levelname)s %(message)s")
