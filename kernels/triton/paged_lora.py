@@ -25,11 +25,12 @@ GROUP_MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_
 
 @dataclass
 class _Entry:
-    pages: torch.Tensor    # [n] int64 page ids, in the adapter's order
-    a_off: torch.Tensor    # [L, 7] int64 flat offset of A per (layer, module)
+    pages: list[int]       # page ids, in the adapter's order (host)
+    a_off: torch.Tensor    # [L, 7] int64 flat offset of A per (layer, module) (device, as the rest)
     b_off: torch.Tensor    # [L, 7] int64 flat offset of B
     rank: torch.Tensor     # [L, 7] int64, 0 where the adapter has no such module
     scale: torch.Tensor    # [L, 7] float32
+    module_rank: list[int]  # [7] the largest rank of each module over the layers, 0: none (host)
 
 
 class PagedAdapters:
@@ -65,8 +66,9 @@ class PagedAdapters:
             m = MODULES.index(module)
             a_off[layer, m], b_off[layer, m], rank[layer, m], scale[layer, m] = s.a_offset, s.b_offset, s.rank, s.scale
         dev = self.storage.device
-        self.entries[slot] = _Entry(torch.tensor(list(pages), dtype=torch.int64, device=dev), a_off.to(dev),
-                                    b_off.to(dev), rank.to(dev), scale.to(dev))
+        module_rank = rank.amax(dim=0).tolist()
+        self.entries[slot] = _Entry(list(pages), a_off.to(dev), b_off.to(dev), rank.to(dev), scale.to(dev),
+                                    module_rank)
         self.slot_of[adapter_id] = slot
         return slot
 
@@ -87,22 +89,22 @@ def _runs(idx: list[int]) -> tuple[list[int], list[int]]:
 
 
 class PagedLoraStep:
-    """Implements kernels.backend.LoraStep over PagedAdapters."""
+    """Implements kernels.backend.LoraStep over PagedAdapters. Built from host-side values and copied to
+    the device in a few transfers: no device-to-host sync while a step is set up."""
 
     def __init__(self, adapters: PagedAdapters, active: list[int], token_idx: list[int], num_decode: int):
         dev = adapters.storage.device
         entries = [adapters.entries[s] for s in active]
         self.adapters = adapters
         width = max(len(e.pages) for e in entries)
-        self.table = torch.zeros(len(entries), width, dtype=torch.int64, device=dev)   # [A, max_pages]
-        for i, e in enumerate(entries):
-            self.table[i, : len(e.pages)] = e.pages
+        table = torch.tensor([e.pages + [0] * (width - len(e.pages)) for e in entries], dtype=torch.int64)
+        self.table = table.to(dev, non_blocking=True)                     # [A, max_pages]
         # [L, 7, A]: one contiguous vector over the step's adapters per (layer, module)
         self.a_off, self.b_off, self.rank, self.scale = (
             torch.stack([getattr(e, f) for e in entries], dim=-1).contiguous()
             for f in ("a_off", "b_off", "rank", "scale"))
-        self.max_rank = max(int(self.rank.max()), 1)
-        self.targets = self.rank.amax(dim=(0, 2)).tolist()          # [7] > 0 where some adapter has the module
+        self.targets = [max(ranks) for ranks in zip(*(e.module_rank for e in entries))]   # [7] > 0: targeted
+        self.max_rank = max(max(self.targets), 1)
         self.num_decode = num_decode
         self.decode_idx = torch.tensor(token_idx[:num_decode], dtype=torch.int64, device=dev)
         starts, values = _runs(token_idx[num_decode:])
