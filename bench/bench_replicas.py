@@ -1,7 +1,8 @@
 """Adapter routing against random routing across Ray Serve replicas, in one run.
 
 The same Zipf workload (s = 1, seeded) over A adapters (default 1,000) of a tiny random Llama goes through
-`loraplex serve --replicas 2` twice: with adapter routing (Ray Serve's multiplexing) and with random
+`loraplex serve --replicas 2` three times: adapter routing bounded by load (`--replica-load-bound 1.25`),
+pure adapter affinity (the default, `--replica-load-bound 0`: Ray Serve's multiplexing alone) and random
 routing (`--replica-routing random`: Ray's router blind to adapters). Each replica's pool (--pool-mib,
 KV and adapters) holds fewer adapters than the workload uses, so an adapter sent to a replica that lacks
 it is a cold load there. Prints per
@@ -44,9 +45,11 @@ def prepare(work: Path, adapters: int) -> tuple[Path, Path]:
     return model, work / "adapters"
 
 
-def start(model: Path, adapters: Path, routing: str, host_tier: int, pool_mib: int) -> tuple[subprocess.Popen, str]:
+def start(model: Path, adapters: Path, routing: str, bound: float, host_tier: int,
+          pool_mib: int) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, "-m", "frontends.cli", "serve", "--replicas", "2", "--port", "0",
-                             "--replica-routing", routing, "--model", str(model), "--dtype", "float32",
+                             "--replica-routing", routing, "--replica-load-bound", str(bound),
+                             "--model", str(model), "--dtype", "float32",
                              "--adapter-dir", str(adapters), "--max-cpu-loras", str(host_tier),
                              "--max-adapters-per-replica", str(host_tier),
                              "--kv-cache-memory-bytes", str(pool_mib << 20)],
@@ -91,8 +94,8 @@ async def workload(url: str, models: list[str], concurrency: int) -> dict:
     return stats
 
 
-def run_one(model: Path, adapters: Path, routing: str, models: list[str], args) -> dict:
-    proc, url = start(model, adapters, routing, args.host_tier, args.pool_mib)
+def run_one(model: Path, adapters: Path, routing: str, bound: float, models: list[str], args) -> dict:
+    proc, url = start(model, adapters, routing, bound, args.host_tier, args.pool_mib)
     try:
         return asyncio.run(workload(url, models, args.concurrency))
     finally:
@@ -118,21 +121,25 @@ def main() -> int:
           f"host tier {args.host_tier} adapters and a {args.pool_mib} MiB pool each, concurrency {args.concurrency}",
           flush=True)
     results = {}
-    for routing in ("adapter", "random"):
-        s = results[routing] = run_one(model, adapters, routing, models, args)
+    for label, routing, bound in (("bounded", "adapter", 1.25), ("affinity", "adapter", 0.0),
+                                  ("random", "random", 0.0)):
+        s = results[label] = run_one(model, adapters, routing, bound, models, args)
         ttft = sorted(s["ttft"])
         counts = list(s["replicas"].values()) + [0] * (2 - len(s["replicas"]))
         s.update(cold=s["loads"] / args.requests, rps=args.requests / s["seconds"],
                  p50=statistics.median(ttft) * 1e3, p99=ttft[int(0.99 * (len(ttft) - 1))] * 1e3,
                  imbalance=max(counts) / (sum(counts) / 2))
-        print(f"{routing:>8} routing: cold loads/request {s['cold']:.3f}, {s['rps']:.1f} req/s, "
+        print(f"{label:>8} routing: cold loads/request {s['cold']:.3f}, {s['rps']:.1f} req/s, "
               f"TTFT p50 {s['p50']:.0f} ms p99 {s['p99']:.0f} ms, imbalance {s['imbalance']:.2f} "
               f"(requests per replica {dict(s['replicas'])})", flush=True)
-    a, r = results["adapter"], results["random"]
-    print(json.dumps({"cold_loads_random_over_adapter": round(r["cold"] / max(a["cold"], 1e-9), 2),
-                      "throughput_adapter_over_random": round(a["rps"] / r["rps"], 2),
-                      "ttft_p50_random_over_adapter": round(r["p50"] / a["p50"], 2),
-                      "ttft_p99_random_over_adapter": round(r["p99"] / a["p99"], 2)}))
+    r = results["random"]
+    for label in ("bounded", "affinity"):
+        a = results[label]
+        print(json.dumps({"routing": label, "cold_loads_random_over_this": round(r["cold"] / max(a["cold"], 1e-9), 2),
+                          "throughput_this_over_random": round(a["rps"] / r["rps"], 2),
+                          "ttft_p50_random_over_this": round(r["p50"] / a["p50"], 2),
+                          "ttft_p99_random_over_this": round(r["p99"] / a["p99"], 2),
+                          "imbalance": round(a["imbalance"], 2), "imbalance_random": round(r["imbalance"], 2)}))
     return 0
 
 

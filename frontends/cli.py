@@ -65,9 +65,11 @@ def _generate(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from frontends.launcher import serve
     if args.replicas > 1:
+        if args.replica_load_bound < 0:
+            raise ValueError(f"--replica-load-bound must be >= 0, got {args.replica_load_bound}")
         from frontends.ray_launcher import serve_on_ray
         return serve_on_ray(args.argv, args.replicas, args.max_adapters_per_replica, args.host, args.port,
-                            args.ray_address, args.replica_routing)
+                            args.ray_address, args.replica_routing, args.replica_load_bound)
     kwargs = engine_kwargs(args)
     if args.adapter_dir:
         kwargs.pop("adapter_dir", None)
@@ -146,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="adapters Ray Serve routes to one replica before it sends them elsewhere")
     s.add_argument("--replica-routing", choices=("adapter", "random"), default="adapter",
                    help="random: ignore adapters when picking a replica (for comparison)")
+    s.add_argument("--replica-load-bound", type=float, default=0.0,
+                   help="e.g. 1.25: an adapter's requests leave its replica while that replica carries more than "
+                        "this times the mean load, plus one (0, the default: always follow the adapter)")
     s.set_defaults(func=_serve, auth=None)
     return parser
 

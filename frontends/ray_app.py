@@ -10,7 +10,12 @@ Three deployments (needs the optional extra: `pip install loraplex[ray]`):
   reach every replica.
 - `Ingress` (1, the HTTP entry): the same OpenAI API as one server. Completions and chat go through the
   replica handle with `multiplexed_model_id` = the adapter (base-model requests without one: Ray's router
-  picks the less loaded of two replicas); a replica that fails before its answer is complete is tried
+  picks the less loaded of two replicas). Optionally affinity is bounded by load (`load_bound` > 0): when
+  the replica that serves an adapter runs or queues more than `load_bound` times the replicas' mean (plus
+  one), its next requests go without the id, to the less loaded of two, which loads the adapter too (a
+  hot adapter spreads instead of piling onto one replica); loads are polled from the replicas' /metrics
+  every POLL_S seconds. A
+  replica that fails before its answer is complete is tried
   once more, after that a 503 (a non-streamed answer is collected whole before it is sent, so it is never
   cut short); a stream cut by a dead replica ends with an error event. Every response carries
   `x-loraplex-replica`. Validation, tenants and keys are each replica's own (the same config everywhere).
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import signal
@@ -38,6 +44,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 GENERATE = ("/v1/completions", "/v1/chat/completions")
 BROADCAST = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 HEADER = "x-loraplex-replica"
+log = logging.getLogger("loraplex.ray")
+LOAD_BOUND = 0.0      # > 0: affinity holds while a replica carries at most this x the mean load (+ 1)
+POLL_S = 0.5          # how often the ingress reads the replicas' loads
 
 
 def _error(status: int, message: str) -> dict:
@@ -136,10 +145,14 @@ def replica_deployment(max_adapters: int, gpus: float = 0):
 
 @serve.deployment(max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
 class Ingress:
-    def __init__(self, replicas: DeploymentHandle, directory: DeploymentHandle, routing: str = "adapter"):
-        self.replicas, self.directory, self.routing = replicas, directory, routing
+    def __init__(self, replicas: DeploymentHandle, directory: DeploymentHandle, routing: str = "adapter",
+                 load_bound: float = LOAD_BOUND):
+        self.replicas, self.directory, self.routing, self.load_bound = replicas, directory, routing, load_bound
         self.session: aiohttp.ClientSession | None = None
         self.base: set[str] = set()         # the base model's name(s): requests for it carry no adapter
+        self.where: dict[str, str] = {}     # adapter -> the replica that served its last affinity-routed request
+        self.load: dict[str, float] = {}    # replica -> requests running + waiting (polled)
+        self.poller: asyncio.Task | None = None
 
     async def __call__(self, request: Request) -> Response:
         body, path = await request.body(), request.url.path
@@ -167,7 +180,28 @@ class Ingress:
         adapter = model if isinstance(model, str) and model and model not in self.base else ""
         if self.routing == "random":
             adapter = ""                # for comparison: Ray's router alone, blind to adapters
+        if adapter and self.load_bound:
+            if self.poller is None:
+                self.poller = asyncio.create_task(self._poll_loads())
+            if self.overloaded(self.where.get(adapter)):
+                return await self.forward(method, path, headers, body, "")
         return await self.forward(method, path, headers, body, adapter)
+
+    def overloaded(self, replica: str | None) -> bool:
+        """Whether `replica` carries more than load_bound x the mean load (+ 1) of the replicas."""
+        if replica is None or replica not in self.load:
+            return False
+        mean = sum(self.load.values()) / len(self.load)
+        return self.load[replica] > self.load_bound * mean + 1
+
+    async def _poll_loads(self) -> None:
+        while True:
+            try:
+                answers = await self._each("GET", "/metrics", {}, None)
+                self.load = {name: replica_load(raw.decode()) for name, status, raw in answers if status == 200}
+            except Exception:  # noqa: BLE001 - a slow or failing poll must not end the polling
+                log.warning("ingress: reading the replicas' loads failed", exc_info=True)
+            await asyncio.sleep(POLL_S)
 
     async def forward(self, method: str, path: str, headers: dict, body: bytes, adapter: str) -> Response:
         for attempt in range(2):
@@ -175,6 +209,7 @@ class Ingress:
             try:
                 head = json.loads(await gen.__anext__())
                 out_headers = {**head["headers"], HEADER: head["replica"]}
+                self._routed(adapter, head["replica"])
                 if not head["headers"].get("Content-Type", "").startswith("text/event-stream"):
                     whole = b"".join([chunk async for chunk in gen])
                     return Response(whole, status_code=head["status"], headers=out_headers)
@@ -184,6 +219,11 @@ class Ingress:
                 await asyncio.sleep(0.2)
                 continue
             return StreamingResponse(self._rest(gen, head), status_code=head["status"], headers=out_headers)
+
+    def _routed(self, adapter: str, replica: str) -> None:
+        """Remember where an adapter's affinity lies (the replica Ray's multiplexing sent it to)."""
+        if adapter:
+            self.where[adapter] = replica
 
     @staticmethod
     async def _rest(gen, head: dict):
@@ -256,14 +296,25 @@ class Ingress:
         return Response("\n".join(out) + "\n", media_type="text/plain; version=0.0.4")
 
 
+def replica_load(metrics_text: str) -> float:
+    """Requests running + waiting in a replica's engine, from its Prometheus text."""
+    total = 0.0
+    for line in metrics_text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ("loraplex_requests_running", "loraplex_requests_waiting"):
+            total += float(value)
+    return total
+
+
 def build_app(serve_args: list[str], replicas: int, max_adapters: int = 64, gpus_per_replica: float = 0,
-              routing: str = "adapter"):
+              routing: str = "adapter", load_bound: float = LOAD_BOUND):
     """The application: `replicas` engine replicas, each `loraplex serve <serve_args>`. routing "random":
-    ignore adapters (Ray's default router: the less loaded of two random replicas), for comparison."""
+    ignore adapters (Ray's default router: the less loaded of two random replicas), for comparison;
+    load_bound: see Ingress (0: affinity whatever the load)."""
     directory = Directory.bind()
     engines = replica_deployment(max_adapters, gpus_per_replica).options(num_replicas=replicas).bind(serve_args,
                                                                                                      directory)
-    return Ingress.bind(engines, directory, routing)
+    return Ingress.bind(engines, directory, routing, load_bound)
 
 
 def app_builder(args: dict):
@@ -273,4 +324,5 @@ def app_builder(args: dict):
     serve_args = args.get("serve_args", "")
     serve_args = shlex.split(serve_args) if isinstance(serve_args, str) else list(serve_args)
     return build_app(serve_args, int(args.get("replicas", 2)), int(args.get("max_adapters_per_replica", 64)),
-                     float(args.get("gpus_per_replica", 0)), args.get("routing", "adapter"))
+                     float(args.get("gpus_per_replica", 0)), args.get("routing", "adapter"),
+                     float(args.get("load_bound", LOAD_BOUND)))

@@ -8,7 +8,7 @@ import threading
 
 # flags of `loraplex serve` that belong to the whole application, not to each replica's server
 APP_FLAGS = {"--replicas", "--ray-address", "--max-adapters-per-replica", "--host", "--port", "--frontends",
-             "--replica-routing"}
+             "--replica-routing", "--replica-load-bound"}
 
 
 def replica_argv(argv: list[str]) -> list[str]:
@@ -28,7 +28,7 @@ def replica_argv(argv: list[str]) -> list[str]:
 
 
 def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, port: int,
-                 ray_address: str | None, routing: str = "adapter") -> int:
+                 ray_address: str | None, routing: str = "adapter", load_bound: float = 0.0) -> int:
     import ray
     from ray import serve
 
@@ -41,8 +41,8 @@ def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, p
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     try:
-        serve.run(build_app(replica_argv(argv), replicas, max_adapters, routing=routing), name="loraplex",
-                  route_prefix="/")
+        app = build_app(replica_argv(argv), replicas, max_adapters, routing=routing, load_bound=load_bound)
+        serve.run(app, name="loraplex", route_prefix="/")
         where = ray_address or "a local Ray instance"
         print(f"loraplex: serving at http://{host}:{port}/v1 ({replicas} replicas on Ray Serve, {where})", flush=True)
         stopping.wait()

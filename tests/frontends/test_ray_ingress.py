@@ -1,6 +1,6 @@
-"""The Ray ingress's forwarding, against fake replica handles (no Ray cluster): a replica that dies after
-its head but before its non-streamed body is complete is retried, and never answers with a cut body; a
-stream cut mid-way ends with an error event."""
+"""The Ray ingress against fake replica handles (no Ray cluster): load-bounded adapter affinity; a replica
+that dies after its head but before its non-streamed body is complete is retried, and never answers with
+a cut body; a stream cut mid-way ends with an error event."""
 from __future__ import annotations
 
 import asyncio
@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from frontends.ray_app import HEADER, Ingress  # noqa: E402
+from frontends.ray_app import HEADER, Ingress, replica_load  # noqa: E402
 
 JSON_HEAD = {"status": 200, "replica": "r0", "headers": {"Content-Type": "application/json"}}
 SSE_HEAD = {"status": 200, "replica": "r1", "headers": {"Content-Type": "text/event-stream"}}
@@ -76,3 +76,67 @@ def test_a_stream_cut_mid_way_ends_with_an_error_event():
     r, chunks = forward(replicas)
     assert r.headers[HEADER] == "r1" and chunks[0] == b'data: {"n": 1}\n\n'
     assert "failed" in json.loads(chunks[-1][len(b"data: "):])["error"]["message"]
+
+
+class RecordingReplicas(FakeReplicas):
+    """Answers every call from `replica`, recording the multiplexed id it was routed with."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids: list[str] = []
+        self.replica = "r0"
+
+    def options(self, multiplexed_model_id: str = "", **_):
+        self.ids.append(multiplexed_model_id)
+        return self
+
+    def remote(self, *_):
+        return self._answer([head({**JSON_HEAD, "replica": self.replica}), b"{}"])
+
+
+def test_replica_load_reads_running_and_waiting():
+    text = ("# HELP loraplex_requests_running x\nloraplex_requests_running 3.0\nloraplex_requests_waiting 4.0\n"
+            'loraplex_requests_total{adapter="a"} 99.0\n')
+    assert replica_load(text) == 7.0
+
+
+def test_affinity_holds_until_the_adapters_replica_carries_more_than_its_bound():
+    replicas = RecordingReplicas()
+    ingress = Ingress.func_or_class(replicas, None, "adapter", 1.25)
+    ingress.base, ingress.poller = {"model"}, object()          # no directory lookups, no polling here
+
+    def ask(load: dict, replica: str = "r0") -> str:
+        ingress.load, replicas.replica = dict(load), replica
+        asyncio.run(ingress.generate("POST", "/v1/completions", {}, b'{"model": "tenant-a"}'))
+        return replicas.ids[-1]
+
+    assert ask({"r0": 0, "r1": 0}) == "tenant-a" and ingress.where["tenant-a"] == "r0"
+    assert ask({"r0": 10, "r1": 2}, replica="r1") == ""        # 10 > 1.25 x 6 + 1: sent to the less loaded
+    assert ingress.where["tenant-a"] == "r0"                  # a spilled request does not move the affinity
+    assert ask({"r0": 5, "r1": 4}) == "tenant-a"              # 5 <= 1.25 x 4.5 + 1: affinity again
+    ingress.load_bound = 0
+    assert ask({"r0": 100, "r1": 0}) == "tenant-a"            # bound 0: affinity whatever the load
+
+
+def test_the_poller_reads_every_replicas_load_and_survives_a_failing_poll():
+    ingress = Ingress.func_or_class(RecordingReplicas(), None, "adapter", 1.25)
+    answers = [RuntimeError("directory unreachable"),
+               [("r0", 200, b"loraplex_requests_running 6.0\nloraplex_requests_waiting 2.0\n"),
+                ("r1", 200, b"loraplex_requests_running 1.0\n"), ("r2", 503, b"{}")]]
+
+    async def fake_each(*_):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    async def run():
+        ingress._each = fake_each
+        task = asyncio.create_task(ingress._poll_loads())
+        while answers:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.05)
+        task.cancel()
+    asyncio.run(run())
+    assert ingress.load == {"r0": 8.0, "r1": 1.0}          # the replica that answered 503 is left out
+    assert ingress.overloaded("r0") and not ingress.overloaded("r1")

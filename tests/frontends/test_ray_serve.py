@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import openai
 import pytest
@@ -89,6 +90,8 @@ def test_openai_client_completions_chat_and_streams(client):
 
 def test_an_adapters_requests_stay_on_one_replica(client):
     for adapter in ("tiny-r5", "tiny-r8"):
+        replica_of(client, adapter)
+        time.sleep(1.0)           # Ray Serve learns which replica holds the adapter from its reports
         assert len({replica_of(client, adapter) for _ in range(6)}) == 1, adapter
 
 
