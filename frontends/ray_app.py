@@ -14,10 +14,9 @@ Three deployments (needs the optional extra: `pip install loraplex[ray]`):
   the replica that serves an adapter runs or queues more than `load_bound` times the replicas' mean (plus
   one), its next requests go without the id, to the less loaded of two, which loads the adapter too (a
   hot adapter spreads instead of piling onto one replica); loads are polled from the replicas' /metrics
-  every POLL_S seconds. A
-  replica that fails before its answer is complete is tried
-  once more, after that a 503 (a non-streamed answer is collected whole before it is sent, so it is never
-  cut short); a stream cut by a dead replica ends with an error event. Every response carries
+  every POLL_S seconds. A replica that fails before its answer is complete is tried once more, after
+  that a 503 (a non-streamed answer is collected whole before it is sent, so it is never cut short); a
+  stream cut by a dead replica ends with an error event. Every response carries
   `x-loraplex-replica`. Validation, tenants and keys are each replica's own (the same config everywhere).
 
 `build_app(serve_args, replicas, max_adapters)` makes the application; `app_builder` is the same for
@@ -197,7 +196,7 @@ class Ingress:
     async def _poll_loads(self) -> None:
         while True:
             try:
-                answers = await self._each("GET", "/metrics", {}, None)
+                answers = await self._each("GET", "/metrics", {}, None, forget=False)
                 self.load = {name: replica_load(raw.decode()) for name, status, raw in answers if status == 200}
             except Exception:  # noqa: BLE001 - a slow or failing poll must not end the polling
                 log.warning("ingress: reading the replicas' loads failed", exc_info=True)
@@ -235,7 +234,11 @@ class Ingress:
                 yield b"data: " + json.dumps(_error(503, "the replica serving this stream failed")).encode() + b"\n\n"
 
     # -- every replica --------------------------------------------------------------------------------------
-    async def _each(self, method: str, path: str, headers: dict, body: bytes | None) -> list[tuple[str, int, bytes]]:
+    async def _each(self, method: str, path: str, headers: dict, body: bytes | None,
+                    forget: bool = True) -> list[tuple[str, int, bytes]]:
+        """Ask every replica in the Directory; one that cannot be reached answers 503 and, with `forget`,
+        is dropped from the Directory (Ray Serve replaces a dead replica; the new one registers itself).
+        The load poller does not forget: a poll that fails once must not drop a live replica."""
         if self.session is None:
             self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
         replicas = await self.directory.all.remote()
@@ -245,7 +248,8 @@ class Ingress:
                 async with self.session.request(method, url + path, headers=headers, data=body) as r:
                     return name, r.status, await r.read()
             except aiohttp.ClientError:
-                await self.directory.forget.remote(name)      # gone (replaced by Ray Serve): forget it
+                if forget:
+                    await self.directory.forget.remote(name)  # gone (replaced by Ray Serve): forget it
                 return name, 503, json.dumps(_error(503, f"replica {name} is unavailable")).encode()
         return list(await asyncio.gather(*(one(n, info["url"]) for n, info in replicas.items())))
 

@@ -124,7 +124,8 @@ def test_the_poller_reads_every_replicas_load_and_survives_a_failing_poll():
                [("r0", 200, b"loraplex_requests_running 6.0\nloraplex_requests_waiting 2.0\n"),
                 ("r1", 200, b"loraplex_requests_running 1.0\n"), ("r2", 503, b"{}")]]
 
-    async def fake_each(*_):
+    async def fake_each(*_, forget=True):
+        assert not forget, "a failed poll must not drop a replica from the Directory"
         answer = answers.pop(0)
         if isinstance(answer, Exception):
             raise answer
