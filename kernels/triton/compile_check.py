@@ -5,7 +5,8 @@ not that they compile. Here the launch wrappers (`lora_ops.*`, `paged_attention.
 CPU tensors of real model shapes with each kernel's launch replaced by a recorder; every distinct recorded
 launch (argument types and constexprs) then goes through Triton's own pipeline (TTIR -> TTGIR -> LLVM ->
 PTX -> cubin; the triton wheel ships ptxas) for each target, and its shared memory is checked against the
-target's limit. Registers and spills need a driver, so they are not checked.
+target's limit. Registers, spills and the resulting occupancy come from ptxas's own report
+(`resource_usage`); a spill is reported, not failed. Speed needs a GPU.
 
 Run in a process without TRITON_INTERPRET (triton reads it once, at import):
     python -m kernels.triton.compile_check [--quick]
@@ -22,8 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.triton import resource_usage
+
 # (name, compute capability, shared memory per block in bytes): A100, L4 / L40S, H100
 TARGETS = (("sm_80", 80, 166912), ("sm_89", 89, 101376), ("sm_90", 90, 232448))
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
 TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int64: "i64",
          torch.int32: "i32"}
 
@@ -53,6 +57,7 @@ class Launch:
     kernel: object                      # a triton JITFunction
     signature: tuple[tuple[str, str], ...]
     constexprs: tuple[tuple[str, object], ...]
+    options: tuple[tuple[str, int], ...] = ()     # launch options: num_warps, num_stages
 
     @property
     def name(self) -> str:
@@ -80,11 +85,12 @@ class _Recorder:
     def __getitem__(self, grid):
         return self._record
 
-    def _record(self, *args, **constexprs) -> None:
+    def _record(self, *args, **kwargs) -> None:
         names = [p.name for p in self.kernel.params if not p.is_constexpr]
         assert len(names) == len(args), f"{self.kernel.fn.__name__}: {len(args)} arguments for {names}"
+        options = {k: kwargs.pop(k) for k in LAUNCH_OPTIONS if k in kwargs}
         self.launches.add(Launch(self.kernel, tuple((n, _type_of(a)) for n, a in zip(names, args)),
-                                 tuple(sorted(constexprs.items()))))
+                                 tuple(sorted(kwargs.items())), tuple(sorted(options.items()))))
 
 
 @contextmanager
@@ -136,7 +142,7 @@ def compile_launch(launch: Launch, capability: int):
     from triton.compiler import ASTSource
     signature = dict(launch.signature) | {name: "constexpr" for name, _ in launch.constexprs}
     source = ASTSource(fn=launch.kernel, signature=signature, constexprs=dict(launch.constexprs))
-    return triton.compile(source, target=GPUTarget("cuda", capability, 32))
+    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=dict(launch.options))
 
 
 def check(shapes=SHAPES, dtypes=(torch.bfloat16, torch.float32), ranks=(8, 64), targets=TARGETS,
@@ -157,10 +163,11 @@ def compile_all(launches: set[Launch], targets=TARGETS, out=sys.stdout) -> list[
         types = dict(launch.signature)
         dtype = types.get("pool_ptr", types.get("q_ptr", "?"))
         for name, capability, shared_limit in targets:
-            what = f"{launch.name} {dtype} {dict(launch.constexprs)} {name}"
+            what = f"{launch.name} {dtype} {dict(launch.constexprs + launch.options)} {name}"
             start = time.perf_counter()
             try:
-                shared = compile_launch(launch, capability).metadata.shared
+                compiled = compile_launch(launch, capability)
+                shared, use = compiled.metadata.shared, resource_usage.usage(compiled, capability)
             except Exception as e:  # noqa: BLE001 - report every kernel, whatever the compiler raised
                 failures.append(f"{what}: {type(e).__name__}: {_reason(e)}")
                 print(f"FAIL {failures[-1]}", file=out)
@@ -168,8 +175,9 @@ def compile_all(launches: set[Launch], targets=TARGETS, out=sys.stdout) -> list[
             ok = shared <= shared_limit
             if not ok:
                 failures.append(f"{what}: {shared} bytes of shared memory, the target has {shared_limit}")
-            print(f"{'ok  ' if ok else 'FAIL'} {what}: shared {shared} B, {time.perf_counter() - start:.2f} s",
-                  file=out)
+            print(f"{'ok  ' if ok else 'FAIL'} {what}: shared {shared} B, {use.registers} registers, "
+                  f"spills {use.spill_bytes} B, {use.warps_per_sm}/{use.max_warps} warps per SM, "
+                  f"{time.perf_counter() - start:.2f} s", file=out)
     return failures
 
 

@@ -32,11 +32,12 @@ def _bgmv_shrink_kernel(x_ptr, v_ptr, pool_ptr, table_ptr, table_stride, a_off_p
                         n_in, x_stride, v_stride, PAGE: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_K: tl.constexpr):
     t = tl.program_id(0)
+    r0 = tl.program_id(1) * BLOCK_R                  # this program's rows of A: r0 .. r0 + BLOCK_R - 1
     a = tl.load(idx_ptr + t)
-    if a >= 0:
-        r = tl.load(rank_ptr + a)
+    r = tl.load(rank_ptr + tl.maximum(a, 0))
+    if (a >= 0) & (r0 < r):
         base = tl.load(a_off_ptr + a)
-        rows = tl.arange(0, BLOCK_R)
+        rows = r0 + tl.arange(0, BLOCK_R)
         acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
         for k0 in range(0, n_in, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
@@ -126,8 +127,19 @@ def _sgmv_expand_kernel(v_ptr, y_ptr, pool_ptr, table_ptr, table_stride, b_off_p
         tl.store(ptr, (old.to(tl.float32) + delta).to(old.dtype), mask=mask)
 
 
+# NOTE: tile sizes keep each program's weight tile near TILE elements, whatever the rank: with the whole
+# rank-64 tile in one program, ptxas gave BGMV shrink 254 registers a thread (8 resident warps per SM) and
+# SGMV expand a spill; `python -m kernels.triton.compile_check` prints these figures for every launch.
+SHRINK_ROWS = 16       # rows of A one BGMV shrink program reduces (the rank is split over programs)
+TILE = 1024            # weight elements an expand program holds at once: BLOCK_N = TILE // BLOCK_R, 16..64
+
+
 def _block_r(max_rank: int) -> int:
     return max(16, triton.next_power_of_2(max_rank))
+
+
+def _block_n(block_r: int) -> int:
+    return min(64, max(16, TILE // block_r))
 
 
 def _precision(weights: torch.Tensor) -> str:
@@ -139,8 +151,9 @@ def bgmv_shrink(x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor, a
     """x: [T, in]; indices: [T] adapter per token (-1: none) -> v: [T, max_rank] float32."""
     T, n_in = x.shape
     v = torch.zeros(T, max_rank, dtype=torch.float32, device=x.device)
-    _bgmv_shrink_kernel[(T,)](x, v, pool, page_table, page_table.stride(0), a_off, rank, indices, n_in,
-                              x.stride(0), v.stride(0), PAGE=page_elems, BLOCK_R=_block_r(max_rank), BLOCK_K=64)
+    grid = (T, triton.cdiv(max_rank, SHRINK_ROWS))
+    _bgmv_shrink_kernel[grid](x, v, pool, page_table, page_table.stride(0), a_off, rank, indices, n_in,
+                              x.stride(0), v.stride(0), PAGE=page_elems, BLOCK_R=SHRINK_ROWS, BLOCK_K=64)
     return v
 
 
@@ -149,10 +162,11 @@ def bgmv_expand(v: torch.Tensor, y: torch.Tensor, pool: torch.Tensor, page_table
                 y_col: int, n_out: int, page_elems: int) -> None:
     """v: [T, max_rank]; y: [T, >= y_col + n_out] updated in place in columns [y_col, y_col + n_out)."""
     T = v.shape[0]
-    grid = (T, triton.cdiv(n_out, 64))
+    block_r = _block_r(v.shape[1])
+    grid = (T, triton.cdiv(n_out, _block_n(block_r)))
     _bgmv_expand_kernel[grid](v, y, pool, page_table, page_table.stride(0), b_off, rank, scale, indices, n_out,
-                              y_col, v.stride(0), y.stride(0), PAGE=page_elems, BLOCK_R=_block_r(v.shape[1]),
-                              BLOCK_N=64)
+                              y_col, v.stride(0), y.stride(0), PAGE=page_elems, BLOCK_R=block_r,
+                              BLOCK_N=_block_n(block_r))
 
 
 def sgmv_shrink(x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor, a_off: torch.Tensor,
@@ -162,9 +176,10 @@ def sgmv_shrink(x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor, a
     T, n_in = x.shape
     v = torch.zeros(T, max_rank, dtype=torch.float32, device=x.device)
     grid = (seg_adapter.shape[0], triton.cdiv(max_seg_len, block_m))
+    block_r = _block_r(max_rank)
     _sgmv_shrink_kernel[grid](x, v, pool, page_table, page_table.stride(0), a_off, rank, seg_start, seg_adapter,
                               n_in, x.stride(0), v.stride(0), PAGE=page_elems, BLOCK_M=block_m,
-                              BLOCK_R=_block_r(max_rank), BLOCK_K=32, PRECISION=_precision(pool))
+                              BLOCK_R=block_r, BLOCK_K=min(32, _block_n(block_r)), PRECISION=_precision(pool))
     return v
 
 
@@ -173,7 +188,9 @@ def sgmv_expand(v: torch.Tensor, y: torch.Tensor, pool: torch.Tensor, page_table
                 seg_adapter: torch.Tensor, y_col: int, n_out: int, max_seg_len: int, page_elems: int,
                 block_m: int = 16) -> None:
     """v: [T, max_rank]; y: [T, >= y_col + n_out] updated in place."""
-    grid = (seg_adapter.shape[0], triton.cdiv(max_seg_len, block_m), triton.cdiv(n_out, 64))
+    block_r = _block_r(v.shape[1])
+    block_n = 32 if block_r > 32 else 64
+    grid = (seg_adapter.shape[0], triton.cdiv(max_seg_len, block_m), triton.cdiv(n_out, block_n))
     _sgmv_expand_kernel[grid](v, y, pool, page_table, page_table.stride(0), b_off, rank, scale, seg_start,
                               seg_adapter, n_out, y_col, v.stride(0), y.stride(0), PAGE=page_elems,
-                              BLOCK_M=block_m, BLOCK_R=_block_r(v.shape[1]), BLOCK_N=64, PRECISION=_precision(pool))
+                              BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, PRECISION=_precision(pool))
