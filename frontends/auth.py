@@ -50,6 +50,13 @@ class Caller:
     def may_use(self, adapter: str | None) -> bool:
         return self.tenant is None or self.tenant.may_use(adapter)
 
+    def cache_salt(self, salt: str | None) -> str | None:
+        """The prefix-cache salt for a request that asked for `salt`: a tenant's always begins with its
+        name, so cached prefixes are never shared across tenants."""
+        if self.tenant is None:
+            return salt
+        return f"tenant:{self.name}" + ("" if salt is None else f":{salt}")
+
 
 ANONYMOUS_ADMIN = Caller(ADMIN)          # no auth configured: everyone may do everything
 

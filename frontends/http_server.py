@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 
@@ -20,67 +19,18 @@ from jinja2 import TemplateError
 
 from engine import envs, metrics
 from engine.tokenizer import encode_chat, load_tokenizer
-from frontends import api_types
+from frontends import api_types, sse
 from frontends import openai_protocol as oai
 from frontends.api_types import ChatCompletionRequest, CompletionRequest, LoadLoraRequest, UnloadLoraRequest
 from frontends.auth import ANONYMOUS_ADMIN, Auth, parse_auth
+from frontends.choices import Merged, choice_params, collect
+from frontends.echo import Echo
 from frontends.engine_client import MAX_BUFFERED, AsyncEngineClient, EngineError
 from frontends.openai_protocol import ApiError
 from frontends.openapi import openapi_document
-from ipc.sampling_params import SamplingParams
+from frontends.stream_chunks import StreamChunks, finish_reason
 
 log = logging.getLogger("loraplex.http")
-
-
-def _choice_params(params: SamplingParams, i: int) -> SamplingParams:
-    """Choice i of n: with a seed, seed + i, so the choices differ and each is reproducible."""
-    if i == 0 or params.seed is None:
-        return params
-    return msgspec.structs.replace(params, seed=(params.seed + i) % 2 ** 63)
-
-
-class Merged:
-    """The outputs of several request streams (the `n` choices of one API call) as they come:
-    (choice index, output). Errors of any stream are raised; aclose() stops and aborts them all. Its queue
-    holds one output per stream: a slow consumer leaves the rest in each request's bounded client queue."""
-
-    def __init__(self, gens: list):
-        self.gens = gens
-        self.queue: asyncio.Queue = asyncio.Queue(maxsize=len(gens))
-        self.ended = 0
-        self.tasks = [asyncio.create_task(self._pump(i, g)) for i, g in enumerate(gens)]
-
-    def __len__(self) -> int:
-        return len(self.gens)
-
-    async def _pump(self, i: int, gen) -> None:
-        try:
-            async for out in gen:
-                await self.queue.put((i, out, None))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer
-            await self.queue.put((i, None, e))
-        else:
-            await self.queue.put((i, None, None))     # this stream ended
-
-    def __aiter__(self) -> "Merged":
-        return self
-
-    async def __anext__(self):
-        while self.ended < len(self.gens):
-            i, out, err = await self.queue.get()
-            if err is not None:
-                raise err
-            if out is not None:
-                return i, out
-            self.ended += 1
-        raise StopAsyncIteration
-
-    async def aclose(self) -> None:
-        for t in self.tasks:
-            t.cancel()
-        await asyncio.gather(*self.tasks, return_exceptions=True)
-        for g in self.gens:
-            await g.aclose()
 
 
 class OpenAIServer:
@@ -188,65 +138,34 @@ class OpenAIServer:
         and dropped: how evaluation harnesses score a text)."""
         chat = isinstance(req, ChatCompletionRequest)
         adapter = self.adapter_for(request, req.model)
-        limit = self.client.status.max_model_len
-        if not ids:
-            raise ApiError(400, "the prompt is empty: it needs at least one token", "messages" if chat else "prompt")
-        if len(ids) >= limit:
-            raise ApiError(400, f"the prompt is {len(ids)} tokens; this model's context is {limit} tokens",
-                           "messages" if chat else "prompt", "context_length_exceeded")
-        asked, wanted = oai.max_tokens(req) or (None, 0)
-        if asked and wanted > limit - len(ids) and not (echo is not None and wanted == 0):
-            raise ApiError(400, f"'{asked}' is {wanted}, but the prompt is {len(ids)} tokens and this model's "
-                           f"context is {limit}: at most {limit - len(ids)} can be generated", asked,
-                           "context_length_exceeded")
+        prompt_only = oai.check_length(req, len(ids), self.client.status.max_model_len, echo is not None)
         oai.refuse_unsupported(req)
-        prompt_only = echo is not None and asked == "max_tokens" and wanted == 0
         params = oai.sampling_params(req, default_max_tokens=None if chat else 16, prompt_only=prompt_only)
         if echo is not None and params.logprobs is not None:
             params = msgspec.structs.replace(params, prompt_logprobs=params.logprobs)
-        view = _Echo(echo, ids, prompt_only)
-        salt = req.cache_salt
+        view = Echo(echo, ids, prompt_only, lambda entries, offset: self.logprobs(entries, chat, offset),
+                    self.token_text)
         caller = request["caller"]
-        if caller.tenant is not None:          # prefix-cache reuse never crosses tenants
-            salt = f"tenant:{caller.name}" + ("" if salt is None else f":{salt}")
+        salt = caller.cache_salt(req.cache_salt)
         n, stream = req.n or 1, bool(req.stream)
         await self.check_health()      # a bad request is answered at once, also while the engine restarts
         rid = oai.new_id("chatcmpl" if chat else "cmpl")
-        model = req.model
         tenant = caller.tenant
-        gens = Merged([self.client.generate(ids, _choice_params(params, i), adapter, salt, stream=stream,
+        gens = Merged([self.client.generate(ids, choice_params(params, i), adapter, salt, stream=stream,
                                             request_id=rid if n == 1 else f"{rid}-{i}",
                                             tenant="" if tenant is None else tenant.name,
                                             max_waiting=(tenant.max_waiting or 0) if tenant else 0)
                        for i in range(n)])
         if stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await self.stream(request, gens, rid, model, chat, usage, adapter, view)
+            return await self.stream(request, gens, rid, req.model, chat, usage, adapter, view)
         start = time.monotonic()
-        texts, entries, finals = [""] * n, [[] for _ in range(n)], [None] * n
-        prompt_lps = [None] * n
-        try:
-            async for i, out in gens:
-                texts[i] += out.text
-                entries[i] += out.logprobs
-                if out.prompt_logprobs is not None:
-                    prompt_lps[i] = out.prompt_logprobs
-                if out.finish_reason is not None:
-                    finals[i] = out
-                    self.observe(request, adapter, out.finish_reason, start)
-                    if all(finals):
-                        break
-        finally:
-            await gens.aclose()
-        use = oai.usage(finals[0].prompt_tokens, 0 if prompt_only else sum(o.completion_tokens for o in finals),
-                        max(o.cached_tokens for o in finals))
-        choices = []
-        for i in range(n):
-            text, lps = view.text(texts[i], True), None
-            if params.logprobs is not None:
-                lps = view.logprobs(self, entries[i], prompt_lps[i], chat, 0, True)
-            choices.append((text, _finish(finals[i].finish_reason), lps))
-        return web.json_response(oai.completion_response(rid, model, choices, chat, use))
+        done = await collect(gens, lambda out: self.observe(request, adapter, out.finish_reason, start))
+        use = oai.choices_usage([c.final for c in done], prompt_only)
+        choices = [(view.text(c.text, True), finish_reason(c.final.finish_reason),
+                    None if params.logprobs is None else view.logprobs(c.entries, c.prompt_logprobs, 0, True))
+                   for c in done]
+        return web.json_response(oai.completion_response(rid, req.model, choices, chat, use))
 
     def logprobs(self, entries, chat: bool, offset: int) -> dict:
         piece = self.token_text
@@ -255,8 +174,8 @@ class OpenAIServer:
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    async def stream(self, request, gens: "Merged", rid, model, chat, include_usage, adapter,
-                     view: "_Echo") -> web.StreamResponse:
+    async def stream(self, request, gens: Merged, rid, model, chat, include_usage, adapter,
+                     view: Echo) -> web.StreamResponse:
         """Server-sent events: each output of choice i becomes a chunk with index i; usage (summed over
         the choices) and [DONE] after the last choice finishes."""
         start = time.monotonic()
@@ -266,12 +185,8 @@ class OpenAIServer:
         except BaseException:
             await gens.aclose()
             raise
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        request["streaming"] = True
-        _bound_send_buffer(request)
-        n = len(gens)
-        last_t, started, sent, finals = None, [False] * n, [0] * n, [None] * n
+        resp = await sse.open_stream(request)
+        chunks, last_t = StreamChunks(len(gens), rid, model, chat, view), None
         try:
             while True:
                 now = time.monotonic()
@@ -280,41 +195,26 @@ class OpenAIServer:
                 else:
                     metrics.ITL.observe(now - last_t)
                 last_t = now
-                if out.text or out.finish_reason or not started[i] or out.logprobs:
-                    first = not started[i]
-                    lps = None
-                    if out.logprobs or (first and out.prompt_logprobs is not None):
-                        lps = view.logprobs(self, out.logprobs, out.prompt_logprobs, chat, sent[i], first)
-                    chunk = oai.completion_chunk(rid, model, view.text(out.text, first), _finish(out.finish_reason),
-                                                 chat, first=first, logprobs=lps, index=i)
-                    await self.send(resp, b"data: " + json.dumps(chunk).encode() + b"\n\n")
-                    started[i] = True
-                    if first and view.prompt is not None:
-                        sent[i] += len(view.prompt)
-                    sent[i] += sum(len(self.token_text(e.token_id)) for e in out.logprobs)
+                chunk = chunks.chunk(i, out)
+                if chunk is not None:
+                    await self.send(resp, sse.event(chunk))
                 if out.finish_reason is not None:
-                    finals[i] = out
                     self.observe(request, adapter, out.finish_reason, start)
-                    if all(finals):
+                    if chunks.finish(i, out):
                         break
                 i, out = await gens.__anext__()
             if include_usage:
-                use = oai.usage(finals[0].prompt_tokens,
-                                0 if view.prompt_only else sum(o.completion_tokens for o in finals),
-                                max(o.cached_tokens for o in finals))
-                chunk = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                         "created": int(time.time()), "model": model, "choices": [], "usage": use}
-                await self.send(resp, b"data: " + json.dumps(chunk).encode() + b"\n\n")
-            await self.send(resp, b"data: [DONE]\n\n")
+                await self.send(resp, sse.event(chunks.usage()))
+            await self.send(resp, sse.DONE)
         except EngineError as e:
             try:
-                await self.send(resp, b"data: " + json.dumps(ApiError(e.status, str(e)).body()).encode() + b"\n\n")
-            except _SlowReader:
-                _hang_up(request)
-        except _SlowReader:
+                await self.send(resp, sse.event(ApiError(e.status, str(e)).body()))
+            except sse.SlowReader:
+                sse.hang_up(request)
+        except sse.SlowReader:
             metrics.SLOW_READERS.labels("timeout").inc()
             log.warning("client of %s read nothing for %.0f s; aborting it", rid, self.stream_timeout)
-            _hang_up(request)
+            sse.hang_up(request)
         except (ConnectionResetError, asyncio.CancelledError):
             log.info("client of %s went away; aborting it", rid)
             raise
@@ -323,12 +223,7 @@ class OpenAIServer:
         return resp
 
     async def send(self, resp: web.StreamResponse, data: bytes) -> None:
-        """Write one event; a client that has not taken any for stream_timeout seconds is a _SlowReader
-        (what waits for it is bounded: the send buffer, aiohttp's 64 KiB, MAX_BUFFERED outputs)."""
-        try:
-            await asyncio.wait_for(resp.write(data), self.stream_timeout)
-        except asyncio.TimeoutError:
-            raise _SlowReader() from None
+        await sse.send(resp, data, self.stream_timeout)
 
     def observe(self, request: web.Request, adapter: str | None, finish: str | None, start: float) -> None:
         metrics.E2E.observe(time.monotonic() - start)
@@ -386,55 +281,11 @@ class OpenAIServer:
         return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-class _SlowReader(Exception):
-    """A streaming client took nothing for stream_timeout seconds."""
-
-
-STREAM_SNDBUF = 64 << 10     # bytes the kernel holds for one streamed response (no autotuning to megabytes)
-
-
-def _bound_send_buffer(request: web.Request) -> None:
-    sock = request.transport.get_extra_info("socket") if request.transport is not None else None
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SNDBUF)
-    except (AttributeError, OSError):       # not a TCP socket (tests), or refused: the default buffer stays
-        pass
-
-
-def _hang_up(request: web.Request) -> None:
-    """Close a slow reader's connection at once, dropping what its buffers hold."""
-    if request.transport is not None:
-        request.transport.abort()
-
-
-class _Echo:
-    """How a completion's text and logprobs are shown with `echo` (the prompt first) and with echo and
-    max_tokens 0 (only the prompt: the one token computed is dropped). Without echo: as they are."""
-
-    def __init__(self, prompt: str | None, ids: list[int], prompt_only: bool):
-        self.prompt, self.ids, self.prompt_only = prompt, ids, prompt_only
-
-    def text(self, completion: str, first: bool) -> str:
-        head = self.prompt if first and self.prompt is not None else ""
-        return head + ("" if self.prompt_only else completion)
-
-    def logprobs(self, server: "OpenAIServer", entries, prompt_lps, chat: bool, offset: int, first: bool) -> dict:
-        entries = [] if self.prompt_only else entries
-        if not (first and self.prompt is not None):
-            return server.logprobs(entries, chat, offset)
-        head = oai.echo_logprobs(self.ids, prompt_lps or [None] * len(self.ids), server.token_text)
-        return oai.join_logprobs(head, server.logprobs(entries, chat, offset + len(self.prompt)))
-
-
 RETRY_AFTER_S = 1     # what a 429 (the waiting queue full) tells the client to wait
 
 
 def _no_such_model(model) -> str:
     return f"The model {model!r} does not exist"
-
-
-def _finish(reason: str | None) -> str | None:
-    return "stop" if reason == "abort" else reason
 
 
 async def serve(engine_address: str, host: str, port: int, auth: Auth, frontend_id: str,

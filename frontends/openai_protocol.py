@@ -116,6 +116,24 @@ def max_tokens(req: CompletionRequest | ChatCompletionRequest) -> tuple[str, int
     return None if req.max_tokens is None else ("max_tokens", req.max_tokens)
 
 
+def check_length(req: CompletionRequest | ChatCompletionRequest, prompt_len: int, limit: int, echo: bool) -> bool:
+    """ApiError (400) unless the prompt has 1 to limit - 1 tokens and what the request asks to generate
+    fits the rest of the context (`limit` tokens). -> prompt only: echo with max_tokens 0."""
+    chat = isinstance(req, ChatCompletionRequest)
+    field = "messages" if chat else "prompt"
+    if not prompt_len:
+        raise ApiError(400, "the prompt is empty: it needs at least one token", field)
+    if prompt_len >= limit:
+        raise ApiError(400, f"the prompt is {prompt_len} tokens; this model's context is {limit} tokens",
+                       field, "context_length_exceeded")
+    asked, wanted = max_tokens(req) or (None, 0)
+    if asked and wanted > limit - prompt_len and not (echo and wanted == 0):
+        raise ApiError(400, f"'{asked}' is {wanted}, but the prompt is {prompt_len} tokens and this model's "
+                       f"context is {limit}: at most {limit - prompt_len} can be generated", asked,
+                       "context_length_exceeded")
+    return echo and asked == "max_tokens" and wanted == 0
+
+
 def sampling_params(req: CompletionRequest | ChatCompletionRequest, default_max_tokens: int | None,
                     prompt_only: bool = False) -> SamplingParams:
     """The sampling fields of a completions or chat body. prompt_only: echo with max_tokens 0 (one token
@@ -165,6 +183,13 @@ def usage(prompt: int, completion: int, cached: int = 0) -> dict:
     if cached:
         u["prompt_tokens_details"] = {"cached_tokens": cached}
     return u
+
+
+def choices_usage(finals: list, prompt_only: bool = False) -> dict:
+    """The usage of one call from its choices' final outputs: the prompt once, the completions summed
+    (none when only the prompt was asked for), the most cached tokens of any choice."""
+    completion = 0 if prompt_only else sum(o.completion_tokens for o in finals)
+    return usage(finals[0].prompt_tokens, completion, max(o.cached_tokens for o in finals))
 
 
 def completion_chunk(rid: str, model: str, text: str, finish: str | None, chat: bool, first: bool = False,
