@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 from msgspec import Meta
 
-from ipc.sampling_params import MAX_LOGPROBS
+from ipc.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
 MAX_CHOICES = 16
 TokenId = Annotated[int, Meta(ge=0, le=2 ** 63 - 1, description="a token id of the model's vocabulary")]
@@ -36,7 +36,7 @@ class _Generation(msgspec.Struct, kw_only=True):
     top_k: Annotated[int, Meta(ge=-1, le=2 ** 63 - 1, description="-1 or 0: off")] | None = None
     seed: Annotated[int, Meta(ge=0, le=2 ** 63 - 1)] | None = None
     stop: Union[str, list[str], None] = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     ignore_eos: bool | None = None
     min_tokens: Annotated[int, Meta(ge=0, le=2 ** 63 - 1)] | None = None
     presence_penalty: Penalty | None = None

@@ -5,6 +5,7 @@ import msgspec
 
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300   # entries of a logit_bias map
+MAX_STOP_TOKEN_IDS = 256
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -61,6 +62,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
             raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         if any(t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {self.stop_token_ids}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -76,6 +76,8 @@ class EngineCore:
             raise ValueError(f"resumed: {req.resumed} tokens ({req.resumed_chars} characters) of a {n}-token prompt")
         if any(t >= vocab for t in req.params.logit_bias):
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
+        if any(t >= vocab for t in req.params.stop_token_ids):
+            raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab})")
         need = self.kv.blocks_needed(n + self.max_tokens_for(n, req.params.max_tokens))
         adapter_pages = 0
         if req.adapter is not None and self.adapters is not None and req.adapter in self.adapters.by_name:

@@ -95,6 +95,8 @@ def test_logit_bias_and_penalties_in_one_batch(llm):
     assert most(outs[2].token_ids) < most(outs[0].token_ids)
     with pytest.raises(ValueError, match="logit_bias"):
         llm.generate(prompt, SamplingParams(logit_bias={10 ** 7: 1.0}))
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate(prompt, SamplingParams(min_tokens=2, stop_token_ids=[10 ** 7]))
 
 
 def test_min_tokens_holds_back_the_end(llm):

@@ -131,6 +131,7 @@ def test_a_frequency_penalty_stops_a_repetition_under_greedy():
                                       ({"repetition_penalty": 0}, "repetition_penalty"),
                                       ({"logit_bias": {5: 101.0}}, "logit_bias"),
                                       ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+                                      ({"stop_token_ids": [1] * 257}, "stop_token_ids"),
                                       ({"temperature": float("nan")}, "temperature")])
 def test_bad_processing_settings_are_refused_by_name(kw, name):
     with pytest.raises(ValueError, match=name):

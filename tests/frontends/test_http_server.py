@@ -186,6 +186,7 @@ def test_non_streamed_request_is_aborted_when_its_client_goes_away(server):
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "top_k": 1180591620717411303424}', "top_k"),
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "stop_token_ids": ["x"]}', "stop_token_ids"),
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "stop_token_ids": [-1]}', "stop_token_ids"),
+    ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "stop_token_ids": [' + "1, " * 256 + '1]}', "stop_token_ids"),
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "logit_bias": {"111111111111111111111111": 1}}', "logit_bias"),
     ('{"model": "SmolLM2-135M-Instruct", "prompt": "hi", "max_tokens": 1000000000000}', "max_tokens"),
 ])
@@ -197,6 +198,19 @@ def test_malformed_bodies_get_400_and_the_server_keeps_serving(server, client, b
     if field:
         assert err["param"] == field
     assert client.completions.create(model=BASE, prompt="Hi", max_tokens=2).choices[0].text is not None
+
+
+def test_token_ids_beyond_the_vocabulary_get_400_while_others_run(server, client):
+    """Found by the fuzzer: a stop id past the vocabulary, with min_tokens, indexed the logits out of bounds
+    in the step and failed every running request with a 500."""
+    body = {"model": BASE, "prompt": "Count slowly:", "min_tokens": 3, "stop_token_ids": [66506715]}
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(client.completions.create, model=BASE, prompt="Tell a story:", max_tokens=24,
+                            temperature=0, extra_body={"ignore_eos": True})
+        r = requests.post(server.url + "/v1/completions", json=body, headers=AUTH)
+        assert r.status_code == 400, r.text
+        assert "stop_token_ids" in r.json()["error"]["message"]
+        assert other.result().usage.completion_tokens == 24
 
 
 def test_logit_bias_and_penalties_as_the_openai_client_sends_them(server, client):
