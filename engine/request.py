@@ -48,6 +48,7 @@ class Request:
     # with params.prompt_logprobs: entry i for prompt token i (None for the first), filled as chunks run
     prompt_logprobs: list | None = None
     num_resumed: int = 0         # the last prompt tokens are earlier output (resent after an engine restart)
+    suspect: bool = False        # was in a step that failed: runs alone until it samples a token (Scheduler)
 
     @property
     def all_token_ids(self) -> list[int]:

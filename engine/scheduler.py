@@ -5,6 +5,11 @@ to the budget (capped by `long_prefill_token_threshold`) for a prompt, so long p
 chunks and prefill and decode of different requests share a step. When the pool runs out of pages the
 most recently arrived running request is preempted: its blocks are freed and it is recomputed later.
 Waiting requests are offered a place in the order of `WaitingQueue` (fair across adapters by default).
+
+A step that fails (an exception in the model runner) makes its requests suspects (`requeue_suspects`):
+they are preempted, and each then runs alone, in steps of its own, until it samples a token. A suspect
+whose lone step fails again is the culprit (EngineCore fails it); the others carry on with no token lost.
+While a suspect waits, no new request is admitted, so the pool drains towards it.
 """
 from __future__ import annotations
 
@@ -53,8 +58,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        suspect = self._next_suspect()
+        if suspect is not None and self._schedule_alone(suspect, out):
+            return out
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted:
+        if not out.preempted and suspect is None:
             self._schedule_waiting(out, budget)
         order = sorted(range(len(out.requests)), key=lambda i: out.num_new_tokens[i] != 1)
         out.requests = [out.requests[i] for i in order]
@@ -83,6 +91,43 @@ class Scheduler:
             budget -= n
             i += 1
         return budget
+
+    # -- suspects of a failed step ----------------------------------------------------------------------
+    def requeue_suspects(self, reqs: list[Request]) -> None:
+        """The requests of a step that failed: preempted (recomputed later) and marked suspect."""
+        out = SchedulerOutput()
+        for req in reqs:
+            if req.status == RequestStatus.RUNNING:
+                req.suspect = True
+                self._preempt(req, out)
+
+    def _next_suspect(self) -> Request | None:
+        running = next((r for r in self.running if r.suspect), None)
+        return running or next((r for r in self.waiting.preempted if r.suspect), None)
+
+    def _schedule_alone(self, req: Request, out: SchedulerOutput) -> bool:
+        """Schedule `req` as the step's only request (preempting other running requests if its KV needs
+        their pages); False if it cannot run now (its adapter is loading, or the pool is still full)."""
+        budget = self.config.max_num_batched_tokens
+        if req.status == RequestStatus.RUNNING:
+            n = self._chunk(req, budget)
+            while not self.kv.can_allocate(req, n) and len(self.running) > 1:
+                self._preempt(next(r for r in reversed(self.running) if r is not req), out)
+            if not self.kv.can_allocate(req, n):
+                return False
+            self.kv.allocate(req, n)
+            out.requests.append(req)
+            out.num_new_tokens.append(n)
+            return True
+        if self.admission and not self.admission.can_admit(req, False, may_load=True):
+            return False
+        cached = self.kv.find_cached_prefix(req)
+        n = min(req.num_tokens - len(cached) * self.kv.block_size, budget, self.config.long_prefill_token_threshold)
+        if not self.kv.can_allocate(req, n, cached):
+            return False
+        self._admit(req, n, cached, out)
+        self.waiting.remove(req)
+        return True
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
@@ -126,20 +171,24 @@ class Scheduler:
                 stop = req
                 break
             admitted.append(req)
-            self.kv.allocate(req, n, cached)
-            if adm:
-                adm.admit(req)
-            req.status = RequestStatus.RUNNING
-            self.waiting.policy.on_admitted(req, n)
-            self.running.append(req)
-            out.requests.append(req)
-            out.num_new_tokens.append(n)
+            self._admit(req, n, cached, out)
             budget -= n
         if adm:
             ahead = 2 * (adm.max_distinct or adm.cfg.DEFAULT_SLOTS)
             self._prefetch(itertools.chain([stop] if stop else [], itertools.islice(offers, ahead)))
         for req in admitted:
             self.waiting.remove(req)
+
+    def _admit(self, req: Request, n: int, cached, out: SchedulerOutput) -> None:
+        """A waiting request starts running with `n` new tokens after its `cached` prefix blocks."""
+        self.kv.allocate(req, n, cached)
+        if self.admission:
+            self.admission.admit(req)
+        req.status = RequestStatus.RUNNING
+        self.waiting.policy.on_admitted(req, n)
+        self.running.append(req)
+        out.requests.append(req)
+        out.num_new_tokens.append(n)
 
     def _prefetch(self, upcoming) -> None:
         """Start loading the adapters of the next requests in line, beside the running ones' KV."""
@@ -167,6 +216,7 @@ class Scheduler:
             if token is None:
                 continue
             self.waiting.policy.on_generated(req, 1)
+            req.suspect = False                   # it ran alone to a token: not the culprit
             reason = req.append_token(token)
             if reason is not None:
                 self.finish(req, reason)

@@ -167,7 +167,10 @@ class EngineCore:
                 results.append(self._fail_unservable(self.scheduler.waiting.oldest()))
             return results
         self._order_by_slot(out)
-        result = self.runner.execute(out, self._lora_step(out))
+        try:
+            result = self.runner.execute(out, self._lora_step(out))
+        except Exception as e:  # noqa: BLE001 - one request's bad step must not fail the others in it
+            return results + self._step_failed(out, e)
         finished = {id(r) for r in self.scheduler.update(out, result.sampled)}
         for row, token in result.sampled.items():
             req = out.requests[row]
@@ -203,6 +206,22 @@ class EngineCore:
             token_slots.extend([self.slots.slot_of[req.adapter_id] if req.adapter_id else -1] * n)
         num_decode = sum(1 for n in out.num_new_tokens if n == 1)   # decodes come first (_order_by_slot)
         return self.runner.backend.lora_step(self.slots, token_slots, num_decode)
+
+    def _step_failed(self, out, error: Exception) -> list[TokenOutput]:
+        """The model step over `out` raised. Run alone, a request is the culprit: it fails (status 500 at the
+        server) and nothing else does. In a batch, every request in it becomes a suspect and is recomputed
+        alone (Scheduler.requeue_suspects), so the culprit is found and no other request loses a token."""
+        if len(out.requests) == 1 and out.requests[0].suspect:
+            req = out.requests[0]
+            log.error("request %s fails the model step on its own: failing it", req.request_id,
+                      exc_info=(type(error), error, error.__traceback__))
+            self.abort(req.request_id)
+            return [TokenOutput(req.request_id, [], "abort", req.num_prompt_tokens, len(req.output_token_ids), 0,
+                                error=f"internal error in the engine step: {type(error).__name__}: {error}")]
+        log.warning("model step over %d requests failed (%s: %s); running each alone to find the cause",
+                    len(out.requests), type(error).__name__, error)
+        self.scheduler.requeue_suspects(out.requests)
+        return []
 
     def _fail_unservable(self, req: Request) -> TokenOutput:
         """Nothing runs or loads, yet the head request cannot start: the pool cannot hold it (e.g. with

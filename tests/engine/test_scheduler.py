@@ -101,3 +101,45 @@ def test_finish_frees_a_waiting_or_running_request():
     s.finish(a, FinishReason.ABORT)
     assert a.status == b.status == RequestStatus.FINISHED
     assert s.num_unfinished == 0 and s.kv.pool.num_free == s.kv.pool.num_pages
+
+
+# -- suspects of a failed step -------------------------------------------------------------------------
+
+def test_suspects_of_a_failed_step_run_alone_until_each_samples_a_token():
+    s = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    reqs = [make_request(prompt_len=6, max_tokens=6, first_token=100 * i) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    fake_step(s)
+    fake_step(s)
+    failed = s.schedule()                             # the step the model fails on: every request in it
+    assert len(failed.requests) == 3
+    s.requeue_suspects(failed.requests)
+    late = make_request(prompt_len=4, max_tokens=2, first_token=900)
+    s.add(late)
+    alone = []
+    while any(r.suspect for r in reqs):
+        out, _ = fake_step(s)
+        assert len(out.requests) == 1 and out.requests[0].suspect is False   # alone, and cleared by its token
+        alone.append(out.requests[0])
+    assert sorted(r.request_id for r in alone) == sorted(r.request_id for r in reqs)
+    assert all(len(r.output_token_ids) == 3 for r in reqs)   # no token lost, none twice (2 before, 1 alone)
+    assert late.status == RequestStatus.WAITING              # nothing new was admitted meanwhile
+    finished = run_to_end(s)
+    assert len(finished) == 4 and all(len(r.output_token_ids) == 6 for r in reqs)
+    assert s.kv.pool.num_free == s.kv.pool.num_pages
+
+
+def test_a_suspect_with_a_long_prompt_stays_alone_through_its_chunks():
+    s = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    long, short = make_request(prompt_len=20, max_tokens=3), make_request(prompt_len=4, max_tokens=3, first_token=50)
+    s.add(long)
+    s.add(short)
+    failed = s.schedule()
+    s.requeue_suspects(failed.requests)
+    steps = []
+    while long.suspect or short.suspect:
+        out, _ = fake_step(s)
+        steps.append([(r.request_id, n) for r, n in zip(out.requests, out.num_new_tokens)])
+    assert all(len(step) == 1 for step in steps)
+    assert [n for step in steps for rid, n in step if rid == long.request_id] == [8, 8, 4]

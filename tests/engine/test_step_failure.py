@@ -1,0 +1,66 @@
+"""A model step that raises fails only the request that causes it: the others in the batch are recomputed
+alone and carry on with every token they had (EngineCore._step_failed, Scheduler.requeue_suspects)."""
+from __future__ import annotations
+
+import pytest
+
+from engine.llm import LLM
+from ipc.sampling_params import SamplingParams
+from tests.conftest import assert_pool_idle
+
+PROMPTS = ["The capital of France is", "POISON Count: 1, 2, 3,", "Name three colors:", "Once upon a time"]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM()
+
+
+def poison(llm, after_tokens: int):
+    """Make the model step raise whenever the POISON request is in it with `after_tokens` outputs or more.
+    -> the list of the steps' sizes (requests per step), from then on."""
+    marker = llm.tokenizer("POISON")["input_ids"]
+    execute, sizes = llm.engine.runner.execute, []
+
+    def failing(out, lora=None):
+        sizes.append(len(out.requests))
+        for req in out.requests:
+            if req.prompt_token_ids[:len(marker)] == marker and len(req.output_token_ids) >= after_tokens:
+                raise RuntimeError("index 66506715 is out of bounds")
+        return execute(out, lora)
+    llm.engine.runner.execute = failing
+    return sizes
+
+
+def test_the_culprit_fails_and_the_rest_of_its_batch_loses_nothing(llm):
+    clean = llm.generate(PROMPTS, GREEDY)
+    sizes = poison(llm, after_tokens=3)
+    try:
+        outs = llm.generate(PROMPTS, GREEDY)
+    finally:
+        del llm.engine.runner.execute
+    bad = outs[1]
+    assert bad.finish_reason == "abort" and "RuntimeError: index 66506715" in bad.error
+    assert bad.token_ids == clean[1].token_ids[:3]          # what it had before the failing step
+    for i in (0, 2, 3):
+        assert outs[i].error is None and outs[i].finish_reason == "length"
+        assert outs[i].token_ids == clean[i].token_ids, PROMPTS[i]
+    assert 1 in sizes and sizes.count(4) >= 3              # the suspects ran alone; the batch ran whole before
+    assert_pool_idle(llm)
+
+
+def test_a_step_failing_for_everyone_fails_each_request_alone_and_the_engine_goes_on(llm):
+    execute = llm.engine.runner.execute
+
+    def broken(out, lora=None):
+        raise RuntimeError("device lost")
+    llm.engine.runner.execute = broken
+    try:
+        outs = llm.generate(PROMPTS[:3], GREEDY)
+    finally:
+        del llm.engine.runner.execute
+    assert all(o.finish_reason == "abort" and "device lost" in o.error for o in outs)
+    assert llm.engine.runner.execute == execute
+    assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == llm.generate(PROMPTS[0], GREEDY)[0].token_ids
+    assert_pool_idle(llm)
