@@ -46,6 +46,7 @@ HEADER = "x-loraplex-replica"
 log = logging.getLogger("loraplex.ray")
 LOAD_BOUND = 0.0      # > 0: affinity holds while a replica carries at most this x the mean load (+ 1)
 POLL_S = 0.5          # how often the ingress reads the replicas' loads
+POLL_TIMEOUT_S = 2.0  # a replica whose /metrics takes longer is left out of that poll
 
 
 def _error(status: int, message: str) -> dict:
@@ -196,7 +197,7 @@ class Ingress:
     async def _poll_loads(self) -> None:
         while True:
             try:
-                answers = await self._each("GET", "/metrics", {}, None, forget=False)
+                answers = await self._each("GET", "/metrics", {}, None, forget=False, timeout=POLL_TIMEOUT_S)
                 self.load = {name: replica_load(raw.decode()) for name, status, raw in answers if status == 200}
             except Exception:  # noqa: BLE001 - a slow or failing poll must not end the polling
                 log.warning("ingress: reading the replicas' loads failed", exc_info=True)
@@ -234,19 +235,24 @@ class Ingress:
                 yield b"data: " + json.dumps(_error(503, "the replica serving this stream failed")).encode() + b"\n\n"
 
     # -- every replica --------------------------------------------------------------------------------------
-    async def _each(self, method: str, path: str, headers: dict, body: bytes | None,
-                    forget: bool = True) -> list[tuple[str, int, bytes]]:
+    async def _each(self, method: str, path: str, headers: dict, body: bytes | None, forget: bool = True,
+                    timeout: float | None = None) -> list[tuple[str, int, bytes]]:
         """Ask every replica in the Directory; one that cannot be reached answers 503 and, with `forget`,
         is dropped from the Directory (Ray Serve replaces a dead replica; the new one registers itself).
-        The load poller does not forget: a poll that fails once must not drop a live replica."""
+        The load poller does not forget: a poll that fails once must not drop a live replica. A replica
+        that does not answer within `timeout` seconds (the session's 300 s if None) answers 503."""
         if self.session is None:
             self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
         replicas = await self.directory.all.remote()
 
+        limit = {} if timeout is None else {"timeout": aiohttp.ClientTimeout(total=timeout)}
+
         async def one(name: str, url: str):
             try:
-                async with self.session.request(method, url + path, headers=headers, data=body) as r:
+                async with self.session.request(method, url + path, headers=headers, data=body, **limit) as r:
                     return name, r.status, await r.read()
+            except asyncio.TimeoutError:        # slow, not gone: never forgotten for it
+                return name, 503, json.dumps(_error(503, f"replica {name} did not answer in time")).encode()
             except aiohttp.ClientError:
                 if forget:
                     await self.directory.forget.remote(name)  # gone (replaced by Ray Serve): forget it

@@ -124,7 +124,7 @@ def test_the_poller_reads_every_replicas_load_and_survives_a_failing_poll():
                [("r0", 200, b"loraplex_requests_running 6.0\nloraplex_requests_waiting 2.0\n"),
                 ("r1", 200, b"loraplex_requests_running 1.0\n"), ("r2", 503, b"{}")]]
 
-    async def fake_each(*_, forget=True):
+    async def fake_each(*_, forget=True, timeout=None):
         assert not forget, "a failed poll must not drop a replica from the Directory"
         answer = answers.pop(0)
         if isinstance(answer, Exception):
@@ -134,10 +134,69 @@ def test_the_poller_reads_every_replicas_load_and_survives_a_failing_poll():
     async def run():
         ingress._each = fake_each
         task = asyncio.create_task(ingress._poll_loads())
-        while answers:
+        for _ in range(100):
+            if not answers:
+                break
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.05)
         task.cancel()
     asyncio.run(run())
     assert ingress.load == {"r0": 8.0, "r1": 1.0}          # the replica that answered 503 is left out
     assert ingress.overloaded("r0") and not ingress.overloaded("r1")
+
+
+class FakeDirectory:
+    """The Directory deployment's handle: replica name -> its URL; records what it is told to forget."""
+
+    def __init__(self, urls: dict[str, str]):
+        self.urls, self.forgotten = urls, []
+        self.all = self._Method(lambda: {n: {"url": u} for n, u in self.urls.items()})
+        self.forget = self._Method(self.forgotten.append)
+
+    class _Method:
+        def __init__(self, fn):
+            self.fn = fn
+
+        async def remote(self, *args):
+            return self.fn(*args)
+
+
+def test_a_hung_replica_is_left_out_of_a_poll_in_time_and_not_forgotten(monkeypatch):
+    from aiohttp import web
+
+    import frontends.ray_app as ray_app
+    monkeypatch.setattr(ray_app, "POLL_TIMEOUT_S", 0.5)
+
+    async def fast(request):
+        return web.Response(text="loraplex_requests_running 2.0\nloraplex_requests_waiting 1.0\n")
+
+    async def hung(request):
+        await asyncio.sleep(3)
+        return web.Response(text="")
+
+    async def run():
+        runners, urls = [], {}
+        for name, handler in (("r0", fast), ("r1", hung)):
+            app = web.Application()
+            app.router.add_get("/metrics", handler)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            runners.append(runner)
+            urls[name] = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        directory = FakeDirectory(urls)
+        ingress = Ingress.func_or_class(RecordingReplicas(), directory, "adapter", 1.25)
+        task = asyncio.create_task(ingress._poll_loads())
+        start = asyncio.get_running_loop().time()
+        while not ingress.load and asyncio.get_running_loop().time() - start < 10:
+            await asyncio.sleep(0.05)
+        took = asyncio.get_running_loop().time() - start
+        task.cancel()
+        await ingress.session.close()
+        for runner in runners:
+            await runner.cleanup()
+        return ingress.load, took, directory.forgotten
+    load, took, forgotten = asyncio.run(run())
+    assert load == {"r0": 3.0} and took < 3, (load, took)     # within the poll timeout, not the session's 300 s
+    assert forgotten == []
