@@ -21,6 +21,8 @@ ADAPTER_COLD_STARTS = Counter("loraplex_adapter_cold_starts", "Requests that wai
 ADAPTER_HIT_RATE = Gauge("loraplex_adapter_hit_rate", "Share of adapter requests whose adapter was resident",
                          multiprocess_mode="mostrecent")
 PREEMPTIONS = Counter("loraplex_preemptions", "Requests preempted when the pool ran out")
+FAILED_STEPS = Counter("loraplex_failed_steps", "Model steps that raised (their requests are then run one by one "
+                       "to find the one that causes it)")
 GENERATED_TOKENS = Counter("loraplex_generation_tokens", "Tokens generated")
 
 # frontend processes

@@ -50,6 +50,7 @@ class EngineCore:
             admission = AdapterAdmission(cfg.lora, self.adapters, self.slots)
         self.scheduler = Scheduler(cfg.scheduler, self.kv, admission)
         self.requests: dict[str, Request] = {}
+        self.num_failed_steps = 0
         log.info("engine ready: model %s (%s), %d pages of %d KiB", cfg.model.name, cfg.model.dtype,
                  num_pages, page_bytes // 1024)
 
@@ -211,6 +212,7 @@ class EngineCore:
         """The model step over `out` raised. Run alone, a request is the culprit: it fails (status 500 at the
         server) and nothing else does. In a batch, every request in it becomes a suspect and is recomputed
         alone (Scheduler.requeue_suspects), so the culprit is found and no other request loses a token."""
+        self.num_failed_steps += 1
         if len(out.requests) == 1 and out.requests[0].suspect:
             req = out.requests[0]
             log.error("request %s fails the model step on its own: failing it", req.request_id,

@@ -11,7 +11,7 @@ class EngineStatsPublisher:
         self.core = core
         self.every = every
         self.last = 0.0
-        self.seen = {"loads": 0, "evictions": 0, "cold_starts": 0, "preemptions": 0}
+        self.seen = {"loads": 0, "evictions": 0, "cold_starts": 0, "preemptions": 0, "failed_steps": 0}
 
     def publish(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -23,7 +23,7 @@ class EngineStatsPublisher:
         metrics.WAITING.set(len(s.waiting))
         for kind, n in self.core.pool.usage().items():
             metrics.POOL_PAGES.labels(kind).set(n)
-        current = {"preemptions": s.num_preemptions}
+        current = {"preemptions": s.num_preemptions, "failed_steps": self.core.num_failed_steps}
         if self.core.adapters is not None:
             st = self.core.adapters.stats
             current.update(loads=st.loads, evictions=st.evictions, cold_starts=st.cold_starts)
@@ -31,7 +31,8 @@ class EngineStatsPublisher:
             for tier, n in self.core.adapters.tiers().items():
                 metrics.ADAPTERS.labels(tier).set(n)
         counters = {"loads": metrics.ADAPTER_LOADS, "evictions": metrics.ADAPTER_EVICTIONS,
-                    "cold_starts": metrics.ADAPTER_COLD_STARTS, "preemptions": metrics.PREEMPTIONS}
+                    "cold_starts": metrics.ADAPTER_COLD_STARTS, "preemptions": metrics.PREEMPTIONS,
+                    "failed_steps": metrics.FAILED_STEPS}
         for key, value in current.items():
             if value > self.seen[key]:
                 counters[key].inc(value - self.seen[key])

@@ -35,6 +35,7 @@ def poison(llm, after_tokens: int):
 
 def test_the_culprit_fails_and_the_rest_of_its_batch_loses_nothing(llm):
     clean = llm.generate(PROMPTS, GREEDY)
+    failed_before = llm.engine.num_failed_steps
     sizes = poison(llm, after_tokens=3)
     try:
         outs = llm.generate(PROMPTS, GREEDY)
@@ -47,11 +48,12 @@ def test_the_culprit_fails_and_the_rest_of_its_batch_loses_nothing(llm):
         assert outs[i].error is None and outs[i].finish_reason == "length"
         assert outs[i].token_ids == clean[i].token_ids, PROMPTS[i]
     assert 1 in sizes and sizes.count(4) >= 3              # the suspects ran alone; the batch ran whole before
+    assert llm.engine.num_failed_steps - failed_before == 2  # the batch's step, then the culprit's own
     assert_pool_idle(llm)
 
 
 def test_a_step_failing_for_everyone_fails_each_request_alone_and_the_engine_goes_on(llm):
-    execute = llm.engine.runner.execute
+    execute, failed_before = llm.engine.runner.execute, llm.engine.num_failed_steps
 
     def broken(out, lora=None):
         raise RuntimeError("device lost")
@@ -61,6 +63,7 @@ def test_a_step_failing_for_everyone_fails_each_request_alone_and_the_engine_goe
     finally:
         del llm.engine.runner.execute
     assert all(o.finish_reason == "abort" and "device lost" in o.error for o in outs)
+    assert llm.engine.num_failed_steps - failed_before == 4  # the batch's step, then each request alone
     assert llm.engine.runner.execute == execute
     assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == llm.generate(PROMPTS[0], GREEDY)[0].token_ids
     assert_pool_idle(llm)

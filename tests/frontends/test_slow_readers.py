@@ -76,7 +76,8 @@ def test_a_reader_that_takes_nothing_is_aborted_after_the_timeout(slow_server):
 def test_a_reader_that_falls_stream_buffer_outputs_behind_is_aborted_and_its_pages_freed(slow_server):
     tokens_before = metric(metrics_of(slow_server), "loraplex_generation_tokens_total")
     wanted = 1500
-    body = {"model": "tiny-r8", "prompt": "Count", "max_tokens": wanted, "ignore_eos": True, "logprobs": 5}
+    # ~1.5 KB events: the send buffers fill after ~100 of them, well before the timeout even on a slow host
+    body = {"model": "tiny-r8", "prompt": "Count", "max_tokens": wanted, "ignore_eos": True, "logprobs": 20}
     sock = stalled_stream(slow_server.url, body)
     try:
         assert wait_until(lambda: metric(metrics_of(slow_server), "loraplex_slow_reader_aborts_total",
