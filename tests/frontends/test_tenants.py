@@ -9,7 +9,7 @@ import openai
 import pytest
 import requests
 
-from tests.frontends.server_fixture import Server
+from tests.frontends.server_fixture import Server, metric, wait_until
 
 CONFIG = '''
 [auth]
@@ -127,20 +127,27 @@ def test_a_full_waiting_queue_answers_429_at_once(served_adapters, tmp_path):
     s = Server("--adapter-dir", str(tmp_path / "adapters"), "--frontends", "1", "--config", str(tmp_path / "c.toml"),
                "--max-waiting", "2", "--max-num-seqs", "1")
     try:
-        def call(key, model):
-            body = {"model": model, "prompt": "Count to a hundred:", "max_tokens": 48, "ignore_eos": True}
+        def call(key, model, max_tokens=48):
+            body = {"model": model, "prompt": "Count to a hundred:", "max_tokens": max_tokens, "ignore_eos": True}
             return requests.post(s.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
                                  timeout=300)
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            admin = [pool.submit(call, "sk-a", "SmolLM2-135M-Instruct") for _ in range(6)]
-            answers = [f.result() for f in admin]
+
+        def burst(key, model, n):
+            """One long request, once it runs, then n more at once. NOTE: all at once, none would be running
+            yet and only the waiting bound would count (the step loop applies its whole inbox first)."""
+            with concurrent.futures.ThreadPoolExecutor(n + 1) as pool:
+                first = pool.submit(call, key, model, 160)
+                assert wait_until(lambda: metric(requests.get(s.url + "/metrics", timeout=10).text,
+                                                 "loraplex_requests_running") == 1, timeout=60, every=0.05)
+                rest = [pool.submit(call, key, model) for _ in range(n)]
+                return [f.result() for f in [first, *rest]]
+        answers = burst("sk-a", "SmolLM2-135M-Instruct", 5)
         codes = sorted(r.status_code for r in answers)
         assert codes.count(200) >= 3 and codes.count(429) >= 1 and set(codes) <= {200, 429}, codes
         refused = next(r for r in answers if r.status_code == 429)
         assert refused.headers["Retry-After"] == "1" and "--max-waiting" in refused.json()["error"]["message"]
         assert refused.json()["error"]["type"] == "rate_limit_error"
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            mine = [f.result() for f in [pool.submit(call, "sk-s", "small-1") for _ in range(4)]]
+        mine = burst("sk-s", "small-1", 3)
         codes = sorted(r.status_code for r in mine)
         assert codes.count(200) >= 2 and 429 in codes, codes
         assert any("max_waiting" in r.json()["error"]["message"] for r in mine if r.status_code == 429)
