@@ -14,7 +14,7 @@ from engine import envs
 from engine.config import EngineConfig
 from engine.model.llama import LlamaModel
 from engine.model.weights import load_weights
-from engine.sampler import History, Sampler, logprobs
+from engine.sampler import History, Sampler, chosen_and_top, logprobs
 from engine.scheduler import SchedulerOutput
 from ipc.outputs import TokenLogprobs
 from kernels.attention_metadata import AttentionMetadata, PrefillSeq
@@ -136,14 +136,11 @@ class ModelRunner:
         for lo in range(0, len(targets), PROMPT_LOGITS_ROWS):
             part = targets[lo:lo + PROMPT_LOGITS_ROWS]
             lp = self.model.logits_of(hidden[lo:lo + len(part)]).log_softmax(-1)
-            tokens = torch.tensor([req.prompt_token_ids[i] for req, i in part], device=lp.device)
-            chosen = lp.gather(1, tokens[:, None]).squeeze(1).tolist()
             k = max(req.params.prompt_logprobs for req, _ in part)
-            top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+            chosen, top_i, top_v = chosen_and_top(lp, [req.prompt_token_ids[i] for req, i in part], k)
             for j, (req, i) in enumerate(part):
                 n = req.params.prompt_logprobs
-                req.prompt_logprobs[i] = TokenLogprobs(req.prompt_token_ids[i], chosen[j], top_i[j, :n].tolist(),
-                                                       top_v[j, :n].tolist())
+                req.prompt_logprobs[i] = TokenLogprobs(req.prompt_token_ids[i], chosen[j], top_i[j][:n], top_v[j][:n])
 
 
 PROMPT_LOGITS_ROWS = 256   # prompt positions projected to the vocabulary at a time (~50 MB of fp32 logits)

@@ -6,6 +6,7 @@ for a 49k vocabulary here). Rows with only a temperature, the common case, are d
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -52,22 +53,20 @@ class Sampler:
         """logits: [B, vocab] (any float dtype) -> B token ids. history: each row's History, needed when
         some params process logits (SamplingParams.processes_logits)."""
         logits = process_logits(logits, params, history)
-        out = self.argmax(logits).tolist()
+        tokens = self.argmax(logits)                                   # [B] int64, on the logits' device
         rows = [i for i, p in enumerate(params) if not p.greedy]
-        if not rows:
-            return out
-        # one uniform per sampled row, drawn in row order from that row's generator
-        # NOTE: drawn from seeded host generators, then moved: the same numbers on every device
-        u = torch.cat([torch.rand(1, generator=self._generator(request_ids[i], params[i])) for i in rows])
-        u = u.to(logits.device)
-        temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)
-        probs = (logits[rows].float() / temps[:, None]).softmax(-1)
-        for j, i in enumerate(rows):
-            if params[i].top_k > 0 or params[i].top_p < 1.0:
-                probs[j] = _truncate(probs[j], params[i])
-        for i, token in zip(rows, _invert_cdf(probs, u)):
-            out[i] = token
-        return out
+        if rows:
+            # one uniform per sampled row, drawn in row order from that row's generator
+            # NOTE: drawn from seeded host generators, then moved: the same numbers on every device
+            u = torch.cat([torch.rand(1, generator=self._generator(request_ids[i], params[i])) for i in rows])
+            u = u.to(logits.device)
+            temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)
+            probs = (logits[rows].float() / temps[:, None]).softmax(-1)
+            for j, i in enumerate(rows):
+                if params[i].top_k > 0 or params[i].top_p < 1.0:
+                    probs[j] = _truncate(probs[j], params[i])
+            tokens[torch.tensor(rows, device=tokens.device)] = _invert_cdf(probs, u)
+        return tokens.tolist()          # NOTE: the step's one read back from the device: the token ids
 
 
 def process_logits(logits: torch.Tensor, params: list[SamplingParams],
@@ -91,8 +90,11 @@ def process_logits(logits: torch.Tensor, params: list[SamplingParams],
             v = row[seen]
             row[seen] = torch.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
         if output and (p.frequency_penalty or p.presence_penalty):
-            ids, counts = torch.tensor(output, device=row.device).unique(return_counts=True)
-            row.index_add_(0, ids, -(p.frequency_penalty * counts.float() + p.presence_penalty))
+            # NOTE: counted on the host, where the ids are: `unique` on a GPU would wait for the device
+            counts = Counter(output)
+            penalty = [p.frequency_penalty * c + p.presence_penalty for c in counts.values()]
+            row.index_add_(0, torch.tensor(list(counts), device=row.device), torch.tensor(penalty, device=row.device),
+                           alpha=-1)
     return logits
 
 
@@ -105,12 +107,20 @@ def logprobs(logits: torch.Tensor, tokens: list[int], params: list[SamplingParam
         return out
     lp = logits[rows].float().log_softmax(-1)                                   # [R, vocab]
     k = max(params[i].logprobs for i in rows)
-    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=lp.device)).squeeze(1).tolist()
+    chosen, top_i, top_v = chosen_and_top(lp, [tokens[i] for i in rows], k)
     for j, i in enumerate(rows):
         n = params[i].logprobs
-        out[i] = TokenLogprobs(tokens[i], chosen[j], top_i[j, :n].tolist(), top_v[j, :n].tolist())
+        out[i] = TokenLogprobs(tokens[i], chosen[j], top_i[j][:n], top_v[j][:n])
     return out
+
+
+def chosen_and_top(lp: torch.Tensor, tokens: list[int],
+                   k: int) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """lp: [R, vocab] log-probabilities; tokens: R ids -> each row's logprob at its token, and its k most
+    likely ids and their logprobs. Read back from the device in three transfers, whatever R."""
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None]).squeeze(1)
+    return chosen.tolist(), top_i.tolist(), top_v.tolist()
 
 
 def _truncate(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -126,10 +136,10 @@ def _truncate(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return torch.zeros_like(probs).scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
 
 
-def _invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> list[int]:
-    """probs: [B, vocab] non-negative (any scale); u: [B] in [0, 1) -> B ids, id i with probability
+def _invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs: [B, vocab] non-negative (any scale); u: [B] in [0, 1) -> [B] int64 ids, id i with probability
     probs[i] / sum. Tokens of probability 0 are never returned."""
     cdf = probs.cumsum(-1)
     target = (u * cdf[:, -1])[:, None]
     idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    return idx.clamp_(max=probs.shape[1] - 1).tolist()
+    return idx.clamp_(max=probs.shape[1] - 1)

@@ -28,8 +28,9 @@ def decode_mask(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) ->
     """[D, 1, 1, max_blocks * block_size] additive mask of the decode rows (built once a step)."""
     if meta.decode_mask is None:
         width = meta.decode_block_tables.shape[1] * block_size
-        visible = torch.arange(width)[None, :] < meta.decode_lens[:, None]
-        mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf"))
+        lens = meta.decode_lens                                          # on the step's device
+        visible = torch.arange(width, device=lens.device)[None, :] < lens[:, None]
+        mask = torch.zeros(visible.shape, dtype=dtype, device=lens.device).masked_fill_(~visible, float("-inf"))
         meta.decode_mask = mask[:, None, None, :]
     return meta.decode_mask
 

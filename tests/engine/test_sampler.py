@@ -67,7 +67,7 @@ def test_invert_cdf_never_returns_zero_probability_tokens():
     probs = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0]]).repeat(50, 1)
     u = torch.cat([torch.zeros(50), torch.full((50,), 0.9999999)])
     u = torch.stack([u[:50], u[50:]], 1).flatten()
-    out = _invert_cdf(probs, u)
+    out = _invert_cdf(probs, u).tolist()
     assert set(out[0::2]) == {1} and set(out[1::2]) == {3}
 
 

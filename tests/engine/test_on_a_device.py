@@ -1,0 +1,164 @@
+"""The whole engine with its device set to "cuda", on a machine without a GPU: the meta device stands in.
+
+A meta tensor has a shape, a dtype and a device, and no data. Like a CUDA tensor it refuses to meet a host
+tensor in an op (0-dim ones aside), and it refuses every operation that would make the host wait for a
+GPU: reading values (`item`, `bool`, `tolist`, `.cpu()`) and ops whose output size depends on values
+(`nonzero`, boolean masks, `unique`, `repeat_interleave` without a size). With "cuda" mapped to meta, a
+run of the engine shows that every tensor of a step lives on the device (weights, the pool, the step's
+metadata, the adapters' page tables) and what the step reads back: each `tolist` of a meta tensor is
+recorded (it returns zeros: nothing is computed here, so every sampled token is 0).
+
+Not exercised here: the Triton kernels' bodies (tests/kernels/triton runs them in the interpreter; here a
+launch checks that each tensor it is given is on the device) and the page copier's CUDA stream and events
+(a copier that moves the packed pages to the device as its CUDA branch does stands in).
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import engine.lora.adapter_manager as adapter_manager
+import kernels.selector as selector
+from bench.adapters import write_peft_adapter
+from bench.tiny_model import make_tiny_llama
+from engine.config import ModelConfig
+from engine.llm import LLM
+from engine.lora.page_copier import PageCopier
+from ipc.requests import GenerateRequest
+from ipc.sampling_params import SamplingParams
+from kernels.triton import lora_ops, paged_attention
+from kernels.triton.backend import TritonBackend
+
+DEVICE = torch.device("meta")
+KERNELS = {lora_ops: ("_bgmv_shrink_kernel", "_bgmv_expand_kernel", "_sgmv_shrink_kernel", "_sgmv_expand_kernel"),
+           paged_attention: ("_paged_attention_kernel",)}
+RANKS = {"a-r3": (3, ("q_proj", "v_proj")), "a-r8": (8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                             "up_proj", "down_proj")),
+         "a-r16": (16, ("o_proj", "down_proj", "k_proj")), "a-r5": (5, ("q_proj", "up_proj", "gate_proj"))}
+PROMPTS = [list(range(300, 341)), [5, 6, 7], list(range(900, 917)), [1, 4093, 314, 253, 1345, 282, 2716, 30]]
+
+
+class Launch:
+    """Stands in for a @triton.jit kernel: `kernel[grid](*args)` checks that every tensor is on the device."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.count = 0
+
+    def __getitem__(self, grid):
+        return functools.partial(self.run, grid)
+
+    def run(self, grid, *args, **kwargs):
+        away = [i for i, a in enumerate([*args, *kwargs.values()]) if isinstance(a, torch.Tensor) and a.device != DEVICE]
+        assert not away, f"{self.name}: arguments {away} are not on the device"
+        self.count += 1
+
+
+class DeviceCopier(PageCopier):
+    """The CUDA branch's placement without its stream: index and packed pages moved to the pool's device."""
+
+    def copy(self, adapter_id, pages, packed):
+        dev = self.storage.device
+        self.storage.index_copy_(0, torch.tensor(pages, dtype=torch.long).to(dev), packed.to(dev))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, model_dir):
+    d = tmp_path_factory.mktemp("on-a-device")
+    make_tiny_llama(d / "model", model_dir)
+    cfg = ModelConfig.from_dir(d / "model", torch.float32, "tiny", None)
+    for i, (name, (r, targets)) in enumerate(RANKS.items()):
+        write_peft_adapter(d / "adapters" / name, cfg, r=r, targets=targets, seed=i, std=0.3)
+    return d
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """"cuda" is the meta device; Triton launches and page copies check placement; the list of
+    (shape, dtype) of every tensor read back from the device, in order."""
+    real_resolve, real_tolist, log = selector.resolve_device, torch.Tensor.tolist, []
+
+    def tolist(t):
+        if t.device != DEVICE:
+            return real_tolist(t)
+        log.append((tuple(t.shape), t.dtype))
+        return real_tolist(torch.zeros(t.shape, dtype=t.dtype))
+
+    monkeypatch.setattr(selector, "resolve_device", lambda d: DEVICE if str(d) == "cuda" else real_resolve(d))
+    monkeypatch.setattr(TritonBackend, "runs_on", staticmethod(lambda device: True))
+    monkeypatch.setattr(adapter_manager, "PageCopier", DeviceCopier)
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    for module, names in KERNELS.items():
+        for name in names:
+            monkeypatch.setattr(module, name, Launch(name))
+    return log
+
+
+def engine_on_device(tiny, backend: str) -> LLM:
+    llm = LLM(model=str(tiny / "model"), dtype="float32", backend=backend, device="cuda", max_num_batched_tokens=32,
+              long_prefill_token_threshold=24, kv_cache_memory_bytes=1 << 22, block_size=16)
+    for name in RANKS:
+        llm.register_adapter(name, str(tiny / "adapters" / name))
+    return llm
+
+
+def run(llm: LLM, params: list[SamplingParams], reads: list) -> list[tuple[int, list]]:
+    """Four adapter requests and two base ones to the end, step by step: (tokens sampled, reads) per step."""
+    core = llm.engine
+    jobs = [*RANKS, None, None]
+    for i, (name, p) in enumerate(zip(jobs, params)):
+        core.add_request(GenerateRequest(f"r{i}", PROMPTS[i % len(PROMPTS)], p, adapter=name))
+    steps, finished = [], {}
+    while core.has_unfinished():
+        before = len(reads)
+        outs = core.step()
+        steps.append((sum(len(o.new_token_ids) for o in outs), reads[before:]))
+        finished.update({o.request_id: o for o in outs if o.finish_reason})
+    assert core.num_failed_steps == 0
+    assert {rid: (o.finish_reason, o.error) for rid, o in finished.items()} == {
+        f"r{i}": ("length", None) for i in range(len(jobs))}
+    assert sum(n for n, _ in steps) == sum(p.max_tokens for p in params)
+    return steps
+
+
+def placement(llm: LLM) -> set[torch.device]:
+    """The devices of the weights, the pool and the rotary tables."""
+    runner, w = llm.engine.runner, llm.engine.runner.model.w
+    tensors = [runner.storage, w.embed, w.norm, w.lm_head.weight, runner.model.rope.cos, runner.model.rope.sin]
+    for layer in w.layers:
+        tensors += [layer.input_norm, layer.post_norm, layer.qkv.weight, layer.o.weight, layer.gate_up.weight,
+                    layer.down.weight]
+    return {t.device for t in tensors}
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_greedy_step_lives_on_the_device_and_reads_back_only_its_token_ids(tiny, reads, backend):
+    llm = engine_on_device(tiny, backend)
+    assert placement(llm) == {DEVICE}
+    steps = run(llm, [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * 6, reads)
+    for sampled, step_reads in steps:
+        assert step_reads == ([((sampled,), torch.int64)] if sampled else [])
+    if backend == "triton":      # every kernel ran on the device: decode and prefill, with adapters
+        launches = {name: getattr(m, name).count for m, names in KERNELS.items() for name in names}
+        assert min(launches.values()) > 0, launches
+
+
+def test_sampling_penalties_and_logprobs_read_back_a_few_transfers_a_step(tiny, reads):
+    """Sampled rows next to greedy ones still give one read of the token ids; logprobs (sampled and prompt)
+    three each, however many rows ask; penalties and min_tokens read nothing back."""
+    llm = engine_on_device(tiny, "triton")
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=1, max_tokens=4, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2, prompt_logprobs=1),
+              SamplingParams(temperature=1.0, frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.1,
+                             min_tokens=2, logit_bias={5: 1.0}, max_tokens=4),
+              SamplingParams(temperature=0.5, max_tokens=4, ignore_eos=True, logprobs=3, prompt_logprobs=2),
+              SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=7, max_tokens=4, ignore_eos=True, logprobs=0)]
+    steps = run(llm, params, reads)
+    for sampled, step_reads in steps:
+        tokens = [r for r in step_reads if r == ((sampled,), torch.int64)]
+        assert len(tokens) == (1 if sampled else 0), step_reads
+        assert len(step_reads) - len(tokens) in (0, 3, 6), step_reads      # logprobs, prompt logprobs
+    assert any(len(r) == 7 for _, r in steps), "a step read back both kinds of logprobs"
