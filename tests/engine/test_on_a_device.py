@@ -8,12 +8,14 @@ run of the engine shows that every tensor of a step lives on the device (weights
 metadata, the adapters' page tables) and what the step reads back: each `tolist` of a meta tensor is
 recorded (it returns zeros: nothing is computed here, so every sampled token is 0).
 
-Not exercised here: the Triton kernels' bodies (tests/kernels/triton runs them in the interpreter; here a
-launch checks that each tensor it is given is on the device) and the page copier's CUDA stream and events
-(a copier that moves the packed pages to the device as its CUDA branch does stands in).
+The page copier runs its CUDA branch, with stand-ins for the side stream and its events (an event is not
+done at its first query: a copy in flight). Not exercised here: the Triton kernels' bodies
+(tests/kernels/triton runs them in the interpreter; here a launch checks that each tensor it is given is on
+the device) and real streams.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -51,17 +53,53 @@ class Launch:
         return functools.partial(self.run, grid)
 
     def run(self, grid, *args, **kwargs):
-        away = [i for i, a in enumerate([*args, *kwargs.values()]) if isinstance(a, torch.Tensor) and a.device != DEVICE]
+        args = [*args, *kwargs.values()]
+        away = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.device != DEVICE]
         assert not away, f"{self.name}: arguments {away} are not on the device"
         self.count += 1
 
 
-class DeviceCopier(PageCopier):
-    """The CUDA branch's placement without its stream: index and packed pages moved to the pool's device."""
+class Stream:
+    """Stands in for torch.cuda.Stream; `log` is shared with the events and the copier's calls."""
+
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: "Stream") -> None:
+        self.log.append(("wait", self.name, other.name))
+
+
+class Event:
+    """Stands in for torch.cuda.Event: not done at its first query (a copy still in flight), done after."""
+
+    def __init__(self, log: list):
+        self.log, self.queries, self.stream = log, 0, None
+
+    def record(self, stream: Stream) -> None:
+        self.stream = stream.name
+        self.log.append(("record", stream.name))
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.queries > 1
+
+    def synchronize(self) -> None:
+        self.queries = 2
+
+
+class StreamCopier(PageCopier):
+    """The page copier's CUDA branch, run for real with stand-ins for the side stream and its events."""
+
+    def __init__(self, storage):
+        super().__init__(storage)
+        self.log: list = []
+        self.cuda, self.stream, self.compute = True, Stream("side", self.log), Stream("compute", self.log)
+        self.events: list[Event] = []
 
     def copy(self, adapter_id, pages, packed):
-        dev = self.storage.device
-        self.storage.index_copy_(0, torch.tensor(pages, dtype=torch.long).to(dev), packed.to(dev))
+        self.log.append(("copy", adapter_id))
+        super().copy(adapter_id, pages, packed)
+        self.events.append(self.pending[adapter_id][0])
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +126,23 @@ def reads(monkeypatch):
 
     monkeypatch.setattr(selector, "resolve_device", lambda d: DEVICE if str(d) == "cuda" else real_resolve(d))
     monkeypatch.setattr(TritonBackend, "runs_on", staticmethod(lambda device: True))
-    monkeypatch.setattr(adapter_manager, "PageCopier", DeviceCopier)
+    copiers: list[StreamCopier] = []
+
+    def copier(storage):
+        copiers.append(StreamCopier(storage))
+        return copiers[-1]
+
+    @contextlib.contextmanager
+    def on_stream(stream):
+        stream.log.append(("enter", stream.name))
+        yield
+        stream.log.append(("exit", stream.name))
+
+    monkeypatch.setattr(adapter_manager, "PageCopier", copier)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: copiers[-1].compute)
+    monkeypatch.setattr(torch.cuda, "stream", on_stream)
+    monkeypatch.setattr(torch.cuda, "Event", lambda: Event(copiers[-1].log))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)       # no pinned memory without a GPU
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
     for module, names in KERNELS.items():
         for name in names:
@@ -140,6 +194,13 @@ def test_a_greedy_step_lives_on_the_device_and_reads_back_only_its_token_ids(tin
     steps = run(llm, [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * 6, reads)
     for sampled, step_reads in steps:
         assert step_reads == ([((sampled,), torch.int64)] if sampled else [])
+    copier = llm.engine.adapters.copier
+    for adapter_id in {a.adapter_id for a in llm.engine.adapters.by_id.values()}:   # each load on the side stream
+        at = copier.log.index(("copy", adapter_id))
+        assert copier.log[at + 1:at + 5] == [("wait", "side", "compute"), ("enter", "side"), ("record", "side"),
+                                             ("exit", "side")]
+    assert len(copier.events) == len(RANKS) and all(e.queries >= 2 for e in copier.events)
+    assert not copier.pending
     if backend == "triton":      # every kernel ran on the device: decode and prefill, with adapters
         launches = {name: getattr(m, name).count for m, names in KERNELS.items() for name in names}
         assert min(launches.values()) > 0, launches
