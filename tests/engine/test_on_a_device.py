@@ -150,8 +150,8 @@ def reads(monkeypatch):
     return log
 
 
-def engine_on_device(tiny, backend: str) -> LLM:
-    llm = LLM(model=str(tiny / "model"), dtype="float32", backend=backend, device="cuda", max_num_batched_tokens=32,
+def engine_on_device(tiny, backend: str, dtype: str = "bfloat16") -> LLM:
+    llm = LLM(model=str(tiny / "model"), dtype=dtype, backend=backend, device="cuda", max_num_batched_tokens=32,
               long_prefill_token_threshold=24, kv_cache_memory_bytes=1 << 22, block_size=16)
     for name in RANKS:
         llm.register_adapter(name, str(tiny / "adapters" / name))
@@ -187,9 +187,9 @@ def placement(llm: LLM) -> set[torch.device]:
     return {t.device for t in tensors}
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_a_greedy_step_lives_on_the_device_and_reads_back_only_its_token_ids(tiny, reads, backend):
-    llm = engine_on_device(tiny, backend)
+@pytest.mark.parametrize("backend,dtype", [("triton", "bfloat16"), ("triton", "float32"), ("torch", "bfloat16")])
+def test_a_greedy_step_lives_on_the_device_and_reads_back_only_its_token_ids(tiny, reads, backend, dtype):
+    llm = engine_on_device(tiny, backend, dtype)
     assert placement(llm) == {DEVICE}
     steps = run(llm, [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * 6, reads)
     for sampled, step_reads in steps:
