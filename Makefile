@@ -1,4 +1,5 @@
 # loraplex: `make serve` and `make test` work on a fresh machine; set-up is idempotent.
+SHELL   := /bin/bash
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -39,10 +40,14 @@ clean:
 
 # On a machine with a CUDA GPU: the backend tests without the Triton interpreter, the fidelity tests on
 # CUDA, the engine and multi-LoRA benchmarks with --device cuda; everything printed goes to GPU_CHECK_OUT.
+# GPU_PY=python3 uses that interpreter (its own torch, triton, transformers and peft) instead of .venv:
+# for a machine that cannot install (docs/gpu-check.md).
 GPU_CHECK_OUT ?= gpu-check.txt
-gpu-check: $(STAMP)
-	$(BIN)/python -c "import torch; assert torch.cuda.is_available(), 'gpu-check needs a CUDA device'; print(torch.cuda.get_device_name())" | tee $(GPU_CHECK_OUT)
-	TRITON_INTERPRET=0 LORAPLEX_TEST_DEVICE=cuda $(BIN)/python -m pytest -q tests/kernels/test_backends.py tests/kernels/triton tests/engine/test_backend_fidelity.py \
-		tests/engine/lora/test_distinct_adapters.py tests/engine/lora/test_page_copier.py 2>&1 | tee -a $(GPU_CHECK_OUT)
-	TRITON_INTERPRET=0 $(BIN)/python -m bench.bench_engine --device cuda --repeats 3 2>&1 | tee -a $(GPU_CHECK_OUT)
-	TRITON_INTERPRET=0 $(BIN)/python -m bench.bench_lora --device cuda 2>&1 | tee -a $(GPU_CHECK_OUT)
+GPU_PY ?= $(BIN)/python
+GPU_TESTS := tests/kernels/test_backends.py tests/kernels/triton tests/engine/test_backend_fidelity.py \
+	tests/engine/lora/test_distinct_adapters.py tests/engine/lora/test_page_copier.py
+gpu-check: $(if $(filter $(BIN)/python,$(GPU_PY)),$(STAMP))
+	set -o pipefail; $(GPU_PY) -c "import torch; assert torch.cuda.is_available(), 'gpu-check needs a CUDA device'; print(torch.cuda.get_device_name(), 'torch', torch.__version__)" | tee $(GPU_CHECK_OUT)
+	TRITON_INTERPRET=0 LORAPLEX_TEST_DEVICE=cuda $(GPU_PY) -m pytest -q -p no:cacheprovider $(GPU_TESTS) 2>&1 | tee -a $(GPU_CHECK_OUT)
+	TRITON_INTERPRET=0 $(GPU_PY) -m bench.bench_engine --device cuda --repeats 3 2>&1 | tee -a $(GPU_CHECK_OUT)
+	TRITON_INTERPRET=0 $(GPU_PY) -m bench.bench_lora --device cuda 2>&1 | tee -a $(GPU_CHECK_OUT)
