@@ -29,10 +29,11 @@ from engine import envs, metrics
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.output_processor import OutputProcessor
-from engine.serving.adapter_dir import check_load_path, register_adapter_dir, resolve_adapter_dir
+from engine.serving.adapter_commands import AdapterCommands
+from engine.serving.adapter_dir import register_adapter_dir
 from engine.serving.adapter_journal import AdapterJournal
 from engine.serving.engine_stats import EngineStatsPublisher
-from ipc.outputs import AdapterReply, EngineStatus, RequestOutput, encode_outputs
+from ipc.outputs import EngineStatus, RequestOutput, encode_outputs
 from ipc.requests import AbortRequest, AdapterCommand, GenerateRequest, Hello, decode_request
 
 log = logging.getLogger("loraplex.engine")
@@ -48,8 +49,8 @@ class AsyncEngine:
         # where /v1/load_lora_adapter may load from, and whether it may at all
         self.lora_roots = ([adapter_dir] if adapter_dir else []) + list(lora_roots or [])
         self.runtime_lora = runtime_lora
-        self.max_waiting = max_waiting            # requests waiting beyond it are refused at once (429)
         self.journal = AdapterJournal(state_file) if state_file else None
+        self.max_waiting = max_waiting            # requests waiting beyond it are refused at once (429)
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="loraplex-engine")
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.send_q: asyncio.Queue = asyncio.Queue()
@@ -75,22 +76,13 @@ class AsyncEngine:
             # NOTE: a refused sub-folder is tried again (and its error told) when a request names it
             names, refused = await self._run(register_adapter_dir, self.core, self.adapter_dir)
             log.info("registered %d adapters from %s (%d refused)", len(names), self.adapter_dir, len(refused))
-        if self.journal is not None:
-            await self._restore_adapters()
+        self.adapter_ops = AdapterCommands(self.core, self._run, self.broadcast_status, self.adapter_dir,
+                                           self.lora_roots, self.runtime_lora, self.journal)
+        await self.adapter_ops.restore()
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.sock.bind(self.address)
-
-    async def _restore_adapters(self) -> None:
-        """Register again the adapters loaded at run time before a restart (the journal's order)."""
-        for e in list(self.journal.entries.values()):
-            try:
-                await self._run(self.core.register_adapter, e["name"], e["path"], e["pinned"])
-                log.info("registered adapter %r again (loaded before the restart)", e["name"])
-            except (ValueError, LookupError, OSError) as err:
-                log.warning("adapter %r loaded before the restart cannot be registered again: %s", e["name"], err)
-                self.journal.unloaded(e["name"])
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
@@ -194,7 +186,7 @@ class AsyncEngine:
                     self.core.abort(rid)
                     self.forget(rid)
         elif isinstance(msg, AdapterCommand):
-            await self.send_q.put((identity, await self.adapter_command(msg)))
+            await self.send_q.put((identity, await self.adapter_ops.handle(msg)))
 
     def over_limit(self, req: GenerateRequest) -> str | None:
         """Why `req` cannot join the waiting queue now (the global or its tenant's bound), or None."""
@@ -212,7 +204,7 @@ class AsyncEngine:
         if full is not None:
             return await self.refuse(identity, req.request_id, full, 429)
         try:
-            await self.load_on_demand(req.adapter)
+            await self.adapter_ops.load_on_demand(req.adapter)
             self.core.add_request(req)
         except LookupError as e:
             return await self.refuse(identity, req.request_id, str(e.args[0]) if e.args else str(e), 404)
@@ -223,43 +215,8 @@ class AsyncEngine:
         self.processor.add(req.request_id, req.prompt_token_ids, req.params.stop,
                            req.params.include_stop_str_in_output, req.resumed, req.resumed_chars)
 
-    async def load_on_demand(self, name: str | None) -> None:
-        """Register DIR/<name> for an adapter name not registered yet. Any failure to find or read it is
-        an unknown model to the client (LookupError -> 404)."""
-        if name is None or self.core.adapters is None or name in self.core.adapters.by_name or not self.adapter_dir:
-            return
-        try:
-            path = resolve_adapter_dir(self.adapter_dir, name)
-            await self._run(self.core.register_adapter, name, str(path))
-        except ValueError as e:
-            raise LookupError(f"adapter {name!r} is not available: {e}") from None
-        await self.broadcast_status()
-
     async def refuse(self, identity: bytes, request_id: str, error: str, status: int) -> None:
         await self.send_q.put((identity, RequestOutput(request_id, finish_reason="abort", error=error, status=status)))
-
-    async def adapter_command(self, cmd: AdapterCommand) -> AdapterReply:
-        try:
-            if cmd.op in ("load", "unload") and not self.runtime_lora:
-                raise ValueError("loading and unloading adapters at run time is turned off (--disable-runtime-lora)")
-            if cmd.op == "load":
-                path = cmd.path or (str(resolve_adapter_dir(self.adapter_dir, cmd.name)) if self.adapter_dir else "")
-                if not path:
-                    raise ValueError("lora_path is required (the server has no --adapter-dir)")
-                path = check_load_path(path, self.lora_roots)
-                await self._run(self.core.register_adapter, cmd.name, path, cmd.pinned)
-                if self.journal is not None:
-                    self.journal.loaded(cmd.name, path, cmd.pinned)
-            elif cmd.op == "unload":
-                self.core.unregister_adapter(cmd.name)
-                if self.journal is not None:
-                    self.journal.unloaded(cmd.name)
-            elif cmd.op != "list":
-                raise ValueError(f"unknown adapter op {cmd.op!r}")
-        except (ValueError, LookupError, OSError) as e:
-            return AdapterReply(cmd.command_id, False, str(e.args[0]) if e.args else str(e))
-        status = await self.broadcast_status()
-        return AdapterReply(cmd.command_id, True, adapters=status.adapters)
 
     async def broadcast_status(self) -> EngineStatus:
         """Tell every frontend now (adapters changed), not at the next heartbeat."""
