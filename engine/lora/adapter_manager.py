@@ -1,7 +1,7 @@
 """The adapter registry and its memory tiers: disk -> host cache -> pages of the unified pool.
 
-The host tier holds each adapter already packed as its pages ([num_pages, page_elems], the model dtype;
-in pinned memory when the pool is on a GPU), so a load from it is one copy (engine/lora/page_copier.py).
+The host tier (engine/lora/host_tier.py) holds adapters already packed as their pages, so a load from it
+is one copy (engine/lora/page_copier.py).
 
 Invariants:
 - an adapter is RESIDENT when its packed weights fill `pages` (allocated from the shared PagePool);
@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 
 from engine.config import LoraConfig, ModelConfig
-from engine.lora.host_adapter import HostAdapter, load_host_adapter, weights_file
-from engine.lora.layout import PackedLayout, pack, plan_layout
+from engine.lora.host_adapter import load_host_adapter, weights_file
+from engine.lora.host_tier import HostTier
+from engine.lora.layout import PackedLayout, plan_layout
 from engine.lora.page_copier import PageCopier
 from engine.lora.peft_config import LoraSpec, read_spec
 from engine.page_pool import PageKind, PagePool
@@ -82,7 +83,6 @@ class AdapterManager:
         self.by_name: dict[str, Adapter] = {}
         self.by_id: dict[int, Adapter] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()   # resident adapters, least recent first
-        self.host: OrderedDict[int, torch.Tensor] = OrderedDict()   # adapter id -> its packed pages
         self.stats = AdapterStats()
         self.on_drop: list = []             # callbacks(adapter_id) when an adapter's weights are gone
         # adapter id -> place in line of its first waiting request, as far as the scheduler's current pass
@@ -91,6 +91,7 @@ class AdapterManager:
         self._ids = itertools.count(1)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="loraplex-adapter-reader")
         self.copier = PageCopier(storage)
+        self.host = HostTier(cfg.max_cpu_loras, cfg.max_cpu_lora_bytes, pinned=self.copier.cuda)
 
     # -- registry ---------------------------------------------------------------------------------------
     def register(self, name: str, path: str | Path, pinned: bool = False) -> Adapter:
@@ -114,7 +115,7 @@ class AdapterManager:
         a = Adapter(name, next(self._ids), path, spec, layout, pinned)
         self.by_name[name] = a
         self.by_id[a.adapter_id] = a
-        self._host_put(a.adapter_id, self._packed(host, layout))
+        self.host.put(a.adapter_id, self.host.pack(host, layout, self.page_elems))
         if pinned:
             self.start_load(a)
         return a
@@ -188,14 +189,13 @@ class AdapterManager:
 
     def _copy_in(self, a: Adapter, data: bytes | None) -> None:
         """Host tier -> pages (parsing and validating the bytes read from disk first)."""
-        packed = self.host.get(a.adapter_id)
+        packed = self.host.use(a.adapter_id)
         if packed is None:
             host = load_host_adapter(a.path, self.model, self.cfg.max_lora_rank, a.spec, data)
             if plan_layout(host) != a.layout:
                 raise ValueError(f"adapter {a.name!r}: weights on disk changed since registration")
-            packed = self._packed(host, a.layout)
-            self._host_put(a.adapter_id, packed)
-        self.host.move_to_end(a.adapter_id)
+            packed = self.host.pack(host, a.layout, self.page_elems)
+            self.host.put(a.adapter_id, packed)
         self.copier.copy(a.adapter_id, a.pages, packed)
 
     def poll(self) -> list[tuple[Adapter, str]]:
@@ -291,21 +291,6 @@ class AdapterManager:
         self.by_id.pop(a.adapter_id, None)
         for cb in self.on_drop:
             cb(a.adapter_id, True)
-
-    # -- host tier --------------------------------------------------------------------------------------
-    def _packed(self, host: HostAdapter, layout: PackedLayout) -> torch.Tensor:
-        """The adapter as its pages, pinned when they will be copied to a GPU (no staging copy per load)."""
-        packed = pack(host, layout, self.page_elems)
-        return packed.pin_memory() if self.copier.cuda else packed
-
-    def _host_put(self, adapter_id: int, packed: torch.Tensor) -> None:
-        """Keep at most max_cpu_loras adapters and max_cpu_lora_bytes (but always the newest one). An entry
-        dropped while its copy is in flight stays alive in the copier until the copy lands."""
-        self.host[adapter_id] = packed
-        self.host.move_to_end(adapter_id)
-        while len(self.host) > self.cfg.max_cpu_loras or (
-                len(self.host) > 1 and sum(t.nbytes for t in self.host.values()) > self.cfg.max_cpu_lora_bytes):
-            self.host.popitem(last=False)
 
     # -- reporting --------------------------------------------------------------------------------------
     def _pinned_pages(self) -> int:

@@ -71,6 +71,7 @@ def test_the_host_tier_holds_packed_pages_so_a_reload_is_one_copy(llm, monkeypat
     """Evicted from the pool, the adapter comes back from the host tier without being read or packed again;
     the host copy is pinned exactly when the pool is on a GPU (so the side stream copies it with no staging)."""
     import engine.lora.adapter_manager as manager
+    import engine.lora.host_tier as host_tier
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     want = llm.generate([[1, 2, 3, 4]], params, adapter="r16-attn")[0].token_ids
     adapters = llm.engine.adapters
@@ -83,7 +84,7 @@ def test_the_host_tier_holds_packed_pages_so_a_reload_is_one_copy(llm, monkeypat
 
     def no_repacking(*args):
         raise AssertionError("a load from the host tier packed the adapter again")
-    monkeypatch.setattr(manager, "pack", no_repacking)
+    monkeypatch.setattr(host_tier, "pack", no_repacking)
     monkeypatch.setattr(manager, "_read_bytes", no_repacking)
     assert llm.generate([[1, 2, 3, 4]], params, adapter="r16-attn")[0].token_ids == want
     assert adapter.state == AdapterState.RESIDENT and adapters.stats.host_hits >= 1
