@@ -1,12 +1,12 @@
 """loraplex replicas on Ray Serve: each request goes to where its adapter lives.
 
 Three deployments (needs the optional extra: `pip install loraplex[ray]`):
-- `EngineReplica` (N of them): one whole `loraplex serve` (engine + one HTTP frontend, its own pool) as a
+- `EngineReplica` (N of them, frontends/ray_replica.py): one whole `loraplex serve` (engine + one HTTP frontend, its own pool) as a
   child process of the replica; requests reach it as (method, path, headers, body) and its answer streams
   back as bytes, a JSON head first. Its `@serve.multiplexed` loader is Ray Serve's record of which adapters
   live on it (the engine itself loads them on first use): the router sends an adapter's requests to a
   replica that holds it while it has room (`max_adapters_per_replica`).
-- `Directory` (1): where each replica's server listens, so that load / unload / models / health / metrics
+- `Directory` (1, frontends/ray_replica.py): where each replica's server listens, so that load / unload / models / health / metrics
   reach every replica.
 - `Ingress` (1, the HTTP entry): the same OpenAI API as one server. Completions and chat go through the
   replica handle with `multiplexed_model_id` = the adapter (base-model requests without one: Ray's router
@@ -27,18 +27,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
-import re
-import signal
-import subprocess
-import sys
-import threading
 
 import aiohttp
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from frontends.ray_replica import Directory, replica_deployment
 
 GENERATE = ("/v1/completions", "/v1/chat/completions")
 BROADCAST = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
@@ -52,95 +48,6 @@ POLL_TIMEOUT_S = 2.0  # a replica whose /metrics takes longer is left out of tha
 def _error(status: int, message: str) -> dict:
     kind = {503: "service_unavailable", 400: "invalid_request_error"}.get(status, "server_error")
     return {"error": {"message": message, "type": kind, "param": None, "code": None}}
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when the replica's process dies (no orphaned engines)."""
-    import ctypes
-    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)     # PR_SET_PDEATHSIG
-
-
-@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
-class Directory:
-    """Replica name -> {"url", "pid", "model"} of the loraplex server it runs."""
-
-    def __init__(self):
-        self.replicas: dict[str, dict] = {}
-
-    def register(self, name: str, info: dict) -> None:
-        self.replicas[name] = info
-
-    def forget(self, name: str) -> None:
-        self.replicas.pop(name, None)
-
-    def all(self) -> dict[str, dict]:
-        return dict(self.replicas)
-
-
-class _Replica:
-    """One loraplex server per replica (see the module doc). Subclassed by `replica_deployment` to fix
-    Ray Serve's per-replica adapter bound."""
-
-    async def __init__(self, serve_args: list[str], directory: DeploymentHandle):
-        self.name = serve.get_replica_context().replica_id.unique_id
-        host = os.environ.get("LORAPLEX_REPLICA_HOST", "127.0.0.1")
-        self.proc = subprocess.Popen([sys.executable, "-m", "frontends.cli", "serve", "--host", host, "--port", "0",
-                                      "--frontends", "1", *serve_args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, preexec_fn=_die_with_parent)
-        self.url, self.model = await asyncio.get_running_loop().run_in_executor(None, self._wait_ready)
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
-        self.directory = directory
-        await directory.register.remote(self.name, {"url": self.url, "pid": os.getpid(), "model": self.model})
-
-    def _wait_ready(self) -> tuple[str, str]:
-        for line in self.proc.stdout:
-            m = re.search(r"serving (\S+) at (http://\S+)/v1", line)
-            if m:
-                threading.Thread(target=self._drain, daemon=True).start()
-                return m.group(2), m.group(1)
-            print(line, end="", flush=True)
-        raise RuntimeError("the replica's loraplex server did not start")
-
-    def _drain(self) -> None:
-        for line in self.proc.stdout:
-            print(line, end="", flush=True)
-
-    async def adapter(self, name: str) -> str:       # decorated with serve.multiplexed in replica_deployment
-        return name
-
-    async def __call__(self, method: str, path: str, headers: dict, body: bytes):
-        """Forward one request to this replica's server; yield a JSON head (status, headers, replica),
-        then the body as it comes."""
-        model = serve.get_multiplexed_model_id()
-        if model:
-            await self.adapter(model)
-        async with self.session.request(method, self.url + path, headers=headers, data=body) as r:
-            head = {"status": r.status, "replica": self.name,
-                    "headers": {k: v for k, v in r.headers.items() if k.lower() in ("content-type", "retry-after")}}
-            yield json.dumps(head).encode()
-            async for chunk in r.content.iter_any():
-                yield chunk
-
-    def check_health(self) -> None:
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"the replica's loraplex server exited with {self.proc.returncode}")
-
-    def __del__(self):
-        proc = getattr(self, "proc", None)
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-
-
-def replica_deployment(max_adapters: int, gpus: float = 0):
-    """The replica deployment with Ray Serve's bound on adapters per replica. The replica's own process
-    takes no CPU in Ray's accounting (its server's processes do the work); `gpus`: GPUs per replica."""
-    class EngineReplica(_Replica):
-        @serve.multiplexed(max_num_models_per_replica=max_adapters)
-        async def adapter(self, name: str) -> str:
-            return name
-    return serve.deployment(name="EngineReplica", max_ongoing_requests=256, health_check_period_s=2,
-                            health_check_timeout_s=30,
-                            ray_actor_options={"num_cpus": 0, "num_gpus": gpus})(EngineReplica)
 
 
 @serve.deployment(max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
