@@ -7,12 +7,16 @@ the client, gave up on the request).
 """
 from __future__ import annotations
 
+import logging
+
 from transformers import PreTrainedTokenizerBase
 
 from engine.core.outputs import TokenOutput
 from engine.detokenizer import Detokenizer
 from engine.request import FinishReason
 from ipc.outputs import RequestOutput
+
+log = logging.getLogger("loraplex.engine")
 
 
 class OutputProcessor:
@@ -32,30 +36,40 @@ class OutputProcessor:
     def drop(self, request_id: str) -> None:
         self.detok.pop(request_id, None)
 
-    def process(self, outputs: list[TokenOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Return (deltas to deliver, ids of requests a stop string finished)."""
-        results, stopped = [], []
+    def process(self, outputs: list[TokenOutput]) -> tuple[list[RequestOutput], list[str], list[str]]:
+        """Return (deltas to deliver, ids of requests a stop string finished, ids of requests whose text
+        could not be made: each of those ends with an error, and only it)."""
+        results, stopped, failed = [], [], []
         for o in outputs:
             d = self.detok.get(o.request_id)
             if d is None:
                 continue
-            text = d.update(o.new_token_ids, o.finish_reason is not None)
-            reason = o.finish_reason
+            reason, error = o.finish_reason, o.error
+            try:
+                text = d.update(o.new_token_ids, reason is not None)
+            except Exception as e:  # noqa: BLE001 - one request's text must not fail the others in the step
+                log.exception("detokenizing request %s failed: failing it", o.request_id)
+                text, error = "", f"internal error detokenizing the output: {type(e).__name__}: {e}"
+                if reason is None:
+                    reason = "abort"
+                    failed.append(o.request_id)
             if d.stopped and reason is None:
                 reason = "stop"
                 stopped.append(o.request_id)
             results.append(RequestOutput(o.request_id, o.new_token_ids, text, reason, o.prompt_tokens,
-                                         o.completion_tokens, o.cached_tokens, error=o.error,
-                                         status=500 if o.error else 0, logprobs=o.logprobs,
+                                         o.completion_tokens, o.cached_tokens, error=error,
+                                         status=500 if error else 0, logprobs=o.logprobs,
                                          prompt_logprobs=o.prompt_logprobs))
             if reason is not None:
                 del self.detok[o.request_id]
-        return results, stopped
+        return results, stopped, failed
 
     def step(self, core) -> list[RequestOutput]:
         """Run one step of `core` (an EngineCore) and return its outputs as deltas for the clients; requests
-        a stop string finished are aborted in the core."""
-        deltas, stopped = self.process(core.step())
+        a stop string finished, or whose text failed, are ended in the core."""
+        deltas, stopped, failed = self.process(core.step())
         for rid in stopped:
             core.abort(rid, FinishReason.STOP)
+        for rid in failed:
+            core.abort(rid)
         return deltas

@@ -1,13 +1,11 @@
 """loraplex replicas on Ray Serve: each request goes to where its adapter lives.
 
 Three deployments (needs the optional extra: `pip install loraplex[ray]`):
-- `EngineReplica` (N of them, frontends/ray_replica.py): one whole `loraplex serve` (engine + one HTTP frontend, its own pool) as a
-  child process of the replica; requests reach it as (method, path, headers, body) and its answer streams
-  back as bytes, a JSON head first. Its `@serve.multiplexed` loader is Ray Serve's record of which adapters
-  live on it (the engine itself loads them on first use): the router sends an adapter's requests to a
-  replica that holds it while it has room (`max_adapters_per_replica`).
-- `Directory` (1, frontends/ray_replica.py): where each replica's server listens, so that load / unload / models / health / metrics
-  reach every replica.
+- `EngineReplica` (N of them) and `Directory` (1), in frontends/ray_replica.py: each replica runs one whole
+  `loraplex serve` with its own pool; its `@serve.multiplexed` loader is Ray Serve's record of which
+  adapters live on it, so the router sends an adapter's requests to a replica that holds it while it has
+  room (`max_adapters_per_replica`). The directory knows where each replica's server listens, so that
+  load / unload / models / health / metrics reach every replica.
 - `Ingress` (1, the HTTP entry): the same OpenAI API as one server. Completions and chat go through the
   replica handle with `multiplexed_model_id` = the adapter (base-model requests without one: Ray's router
   picks the less loaded of two replicas). Optionally affinity is bounded by load (`load_bound` > 0): when

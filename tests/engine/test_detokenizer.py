@@ -37,7 +37,7 @@ def test_a_resumed_request_continues_its_text_exactly(tokenizer):
             first.add("r", prompt, stop, False)
             got, stopped = "", False
             for i, t in enumerate(ids[:cut]):
-                (out,), done = first.process([TokenOutput("r", [t], None, 0, 0, 0)])
+                (out,), done, _ = first.process([TokenOutput("r", [t], None, 0, 0, 0)])
                 got, stopped = got + out.text, bool(done)
                 if stopped:
                     break
@@ -47,7 +47,7 @@ def test_a_resumed_request_continues_its_text_exactly(tokenizer):
             again.add("r", prompt + ids[:cut], stop, False, resumed=cut, resumed_chars=len(got))
             for i, t in enumerate(ids[cut:]):
                 reason = "length" if cut + i == len(ids) - 1 else None
-                (out,), done = again.process([TokenOutput("r", [t], reason, 0, 0, 0)])
+                (out,), done, _ = again.process([TokenOutput("r", [t], reason, 0, 0, 0)])
                 got += out.text
                 if done or out.finish_reason:
                     break

@@ -67,3 +67,31 @@ def test_a_step_failing_for_everyone_fails_each_request_alone_and_the_engine_goe
     assert llm.engine.num_failed_steps - failed_before == 4  # the batch's step, then each request alone
     assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == clean       # the engine serves on, as before
     assert_pool_idle(llm)
+
+
+def test_a_request_whose_text_cannot_be_made_fails_alone(llm, monkeypatch):
+    """The detokenizer raising for one request (after the model step) ends that request with the error; the
+    others in the step keep their tokens and text, and its pages are freed (OutputProcessor.process)."""
+    from engine.detokenizer import Detokenizer
+    clean = llm.generate(PROMPTS, GREEDY)
+    marker = llm.tokenizer("POISON")["input_ids"]
+    init, update = Detokenizer.__init__, Detokenizer.update
+
+    def tagged(self, tok, prompt_ids, *args):
+        init(self, tok, prompt_ids, *args)
+        self.poisoned = prompt_ids[:len(marker)] == marker
+
+    def failing(self, new_ids, finished):
+        if getattr(self, "poisoned", False) and len(self.ids) > 12:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return update(self, new_ids, finished)
+    monkeypatch.setattr(Detokenizer, "__init__", tagged)
+    monkeypatch.setattr(Detokenizer, "update", failing)
+    outs = llm.generate(PROMPTS, GREEDY)
+    bad = outs[1]
+    assert bad.finish_reason == "abort" and "detokenizing" in bad.error and "UnicodeDecodeError" in bad.error
+    assert 0 < len(bad.token_ids) < len(clean[1].token_ids)
+    for i in (0, 2, 3):
+        assert outs[i].error is None and outs[i].finish_reason == "length"
+        assert (outs[i].token_ids, outs[i].text) == (clean[i].token_ids, clean[i].text), PROMPTS[i]
+    assert_pool_idle(llm)
