@@ -126,7 +126,7 @@ class ModelRunner:
                 self.capture_logits[req.request_id] = row.to(torch.float32, copy=True)
         params = [r.params for r in reqs]
         history = [_history(r) for r in reqs] if any(p.processes_logits for p in params) else None
-        tokens = self.sampler.sample(logits, [r.request_id for r in reqs], params, history)
+        tokens = self.sampler.sample(logits, params, [r.num_resumed + len(r.output_token_ids) for r in reqs], history)
         lps = {row: lp for row, lp in zip(inp.sample_rows, logprobs(logits, tokens, params)) if lp is not None}
         return ModelOutput(dict(zip(inp.sample_rows, tokens)), lps)
 

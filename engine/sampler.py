@@ -1,8 +1,13 @@
-"""Token sampling per request: greedy, temperature, top-k, top-p, seeded generators.
+"""Token sampling per request: greedy, temperature, top-k, top-p, seeds.
 
 Sampling draws one uniform number per row and inverts the row's CDF (searchsorted over a cumulative
 sum), instead of `torch.multinomial`, which draws one exponential per vocabulary entry (0.75 ms a row
 for a 49k vocabulary here). Rows with only a temperature, the common case, are done as one batch.
+
+A seeded request's k-th output token takes the k-th number of SplitMix64 seeded with its seed
+(`seeded_uniform`): a pure function of (seed, k), kept by no one. So the same seed gives the same output
+whatever else shares the batch, and also across a preemption, a failed step run again, or an engine
+restart that resends the request with its earlier output (k counts that output too).
 """
 from __future__ import annotations
 
@@ -28,38 +33,32 @@ class History(NamedTuple):
 
 
 class Sampler:
-    """Samples one token per row of logits. A request with a seed owns a generator seeded once, so the
-    same seed gives the same output whatever else shares the batch."""
+    """Samples one token per row of logits; unseeded rows draw from one engine-wide generator."""
 
     def __init__(self, seed: int = 0, argmax: Callable[[torch.Tensor], torch.Tensor] | None = None):
         """argmax: logits [B, vocab] -> [B] (a backend's; torch's by default)."""
         self.default = torch.Generator().manual_seed(seed)
         self.argmax = argmax or (lambda logits: logits.argmax(dim=-1))
-        self.generators: dict[str, torch.Generator] = {}
 
-    def forget(self, request_id: str) -> None:
-        self.generators.pop(request_id, None)
+    def _uniforms(self, params: list[SamplingParams], indices: list[int]) -> torch.Tensor:
+        """[len(params)] float32 in [0, 1): seeded_uniform for seeded rows, the default generator's otherwise."""
+        u = torch.rand(len(params), generator=self.default)
+        for j, (p, k) in enumerate(zip(params, indices)):
+            if p.seed is not None:
+                u[j] = seeded_uniform(p.seed, k)
+        return u
 
-    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
-        if params.seed is None:
-            return self.default
-        gen = self.generators.get(request_id)
-        if gen is None:
-            gen = self.generators[request_id] = torch.Generator().manual_seed(params.seed)
-        return gen
-
-    def sample(self, logits: torch.Tensor, request_ids: list[str], params: list[SamplingParams],
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], indices: list[int],
                history: list[History] | None = None) -> list[int]:
-        """logits: [B, vocab] (any float dtype) -> B token ids. history: each row's History, needed when
-        some params process logits (SamplingParams.processes_logits)."""
+        """logits: [B, vocab] (any float dtype) -> B token ids. indices: which output token of its request
+        each row samples (0 for the first; a resent request's earlier output counts). history: each row's
+        History, needed when some params process logits (SamplingParams.processes_logits)."""
         logits = process_logits(logits, params, history)
         tokens = self.argmax(logits)                                   # [B] int64, on the logits' device
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if rows:
-            # one uniform per sampled row, drawn in row order from that row's generator
-            # NOTE: drawn from seeded host generators, then moved: the same numbers on every device
-            u = torch.cat([torch.rand(1, generator=self._generator(request_ids[i], params[i])) for i in rows])
-            u = u.to(logits.device)
+            # NOTE: drawn on the host, then moved: the same numbers on every device
+            u = self._uniforms([params[i] for i in rows], [indices[i] for i in rows]).to(logits.device)
             temps = torch.tensor([params[i].temperature for i in rows], device=logits.device)
             probs = (logits[rows].float() / temps[:, None]).softmax(-1)
             for j, i in enumerate(rows):
@@ -67,6 +66,18 @@ class Sampler:
                     probs[j] = _truncate(probs[j], params[i])
             tokens[torch.tensor(rows, device=tokens.device)] = _invert_cdf(probs, u)
         return tokens.tolist()          # NOTE: the step's one read back from the device: the token ids
+
+
+MASK64 = (1 << 64) - 1
+
+
+def seeded_uniform(seed: int, k: int) -> float:
+    """The k-th (from 0) number of SplitMix64 seeded with `seed`, as a float in [0, 1) with 24 bits (exact
+    in float32)."""
+    z = (seed + (k + 1) * 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return ((z ^ (z >> 31)) >> 40) / (1 << 24)
 
 
 def process_logits(logits: torch.Tensor, params: list[SamplingParams],

@@ -137,7 +137,6 @@ class EngineCore:
         if req is None:
             return False
         self.scheduler.finish(req, reason)
-        self.runner.sampler.forget(request_id)
         return True
 
     def report(self) -> dict:
@@ -183,7 +182,6 @@ class EngineCore:
                                        [lp] if lp is not None else [], req.prompt_logprobs if first else None))
             if done:
                 self.requests.pop(req.request_id, None)
-                self.runner.sampler.forget(req.request_id)
         return results
 
     def _order_by_slot(self, out) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import History, Sampler, _invert_cdf, process_logits
+from engine.sampler import History, Sampler, _invert_cdf, process_logits, seeded_uniform
 from ipc.sampling_params import SamplingParams
 
 LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0, 0.0]) + 1e-30)
@@ -13,14 +13,14 @@ LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0, 0.0]) + 1e-30)
 def draw(params, n=4000, seed=0):
     s = Sampler(seed)
     logits = LOGITS.repeat(n, 1)
-    return torch.tensor(s.sample(logits, [f"r{i}" for i in range(n)], [params] * n))
+    return torch.tensor(s.sample(logits, [params] * n, [0] * n))
 
 
 def test_greedy_rows_take_argmax_next_to_sampled_rows():
     s = Sampler(0)
     logits = torch.randn(4, 50)
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0)] * 2
-    out = s.sample(logits, list("abcd"), params)
+    out = s.sample(logits, params, [0] * 4)
     assert out[0] == int(logits[0].argmax()) and out[2] == int(logits[2].argmax())
 
 
@@ -52,15 +52,23 @@ def test_seed_gives_the_same_tokens_whatever_shares_the_batch():
     logits = torch.randn(3, 1000)
     p = SamplingParams(temperature=1.0, seed=7)
     s = Sampler(0)
-    crowd = s.sample(logits, ["y", "x2", "z"], [SamplingParams(temperature=1.0), p, SamplingParams(temperature=2.0)])
-    s2 = Sampler(0)
-    alone = s2.sample(logits[1:2], ["x"], [p])
+    crowd = s.sample(logits, [SamplingParams(temperature=1.0), p, SamplingParams(temperature=2.0)], [5, 3, 0])
+    alone = Sampler(1).sample(logits[1:2], [p], [3])
     assert crowd[1] == alone[0]
-    # and a seeded request continues its own stream step after step
-    seq = [s2.sample(logits[1:2], ["x"], [p])[0] for _ in range(20)]
-    s3 = Sampler(5)
-    s3.sample(logits[1:2], ["x"], [p])
-    assert [s3.sample(logits[1:2], ["x"], [p])[0] for _ in range(20)] == seq
+
+
+def test_a_seeded_draw_is_a_function_of_the_seed_and_the_token_index_alone():
+    """The k-th token of a seeded request draws the same number however many draws came before (a step run
+    again after a failure, a request resent after an engine restart), and successive indices differ."""
+    logits = torch.zeros(1, 1000)                      # uniform: the token is the draw itself, scaled
+    p = SamplingParams(temperature=1.0, seed=2 ** 63 - 1)
+    s = Sampler(0)
+    first = [s.sample(logits, [p], [k])[0] for k in range(50)]
+    again = [s.sample(logits, [p], [k])[0] for k in reversed(range(50))][::-1]
+    assert first == again and len(set(first)) > 40
+    assert [Sampler(9).sample(logits, [SamplingParams(temperature=1.0, seed=8)], [k])[0] for k in range(50)] != first
+    u = [seeded_uniform(7, k) for k in range(10_000)]
+    assert 0.0 <= min(u) and max(u) < 1.0 and abs(sum(u) / len(u) - 0.5) < 0.01
 
 
 def test_invert_cdf_never_returns_zero_probability_tokens():
@@ -96,7 +104,7 @@ def test_logit_bias_steers_greedy_and_leaves_the_raw_logits_alone():
     target = int(logits[1].argmin())
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0, logit_bias={target: 100.0}),
               SamplingParams(temperature=0, logit_bias={int(logits[2].argmax()): -100.0})]
-    out = Sampler(0).sample(logits, list("abc"), params, [History([], [])] * 3)
+    out = Sampler(0).sample(logits, params, [0] * 3, [History([], [])] * 3)
     assert out[0] == int(raw[0].argmax()) and out[1] == target
     assert out[2] == int(raw[2].topk(2).indices[1])          # the best token banned: the second best
     assert torch.equal(logits, raw)                            # logprobs are reported from the raw logits
@@ -121,9 +129,9 @@ def test_a_frequency_penalty_stops_a_repetition_under_greedy():
     logits = torch.tensor([[0.0, 2.0, 1.5, 0.0]])
     s = Sampler(0)
     p = SamplingParams(temperature=0, frequency_penalty=0.4)
-    assert s.sample(logits, ["a"], [p], [History([0], [])]) == [1]
-    assert s.sample(logits, ["a"], [p], [History([0], [1])]) == [1]       # 2.0 - 0.4 > 1.5
-    assert s.sample(logits, ["a"], [p], [History([0], [1, 1])]) == [2]    # 2.0 - 0.8 < 1.5
+    assert s.sample(logits, [p], [0], [History([0], [])]) == [1]
+    assert s.sample(logits, [p], [0], [History([0], [1])]) == [1]       # 2.0 - 0.4 > 1.5
+    assert s.sample(logits, [p], [0], [History([0], [1, 1])]) == [2]    # 2.0 - 0.8 < 1.5
 
 
 @pytest.mark.parametrize("kw, name", [({"presence_penalty": 2.5}, "presence_penalty"),
@@ -143,9 +151,9 @@ def test_min_tokens_holds_back_eos_and_stop_ids_until_reached():
     s = Sampler(0)
     p = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[3])
     stops = (3, 1)
-    assert s.sample(logits, ["a"], [p], [History([0], [], stops)]) == [2]
-    assert s.sample(logits, ["a"], [p], [History([0], [2], stops)]) == [2]
-    assert s.sample(logits, ["a"], [p], [History([0], [2, 2], stops)]) == [1]    # reached: EOS again
+    assert s.sample(logits, [p], [0], [History([0], [], stops)]) == [2]
+    assert s.sample(logits, [p], [0], [History([0], [2], stops)]) == [2]
+    assert s.sample(logits, [p], [0], [History([0], [2, 2], stops)]) == [1]    # reached: EOS again
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=5, max_tokens=4)
 
@@ -157,4 +165,4 @@ def test_a_resumed_request_counts_its_earlier_output_for_penalties_not_for_min_t
     p = SamplingParams(temperature=0, min_tokens=1, frequency_penalty=1.0)
     resumed = History([0], [2, 2], (1,), generated=0)             # two earlier tokens, none generated here
     assert process_logits(logits, [p], [resumed])[0, 2] == 1.0    # 3.0 - 2 x 1.0
-    assert Sampler(0).sample(logits, ["a"], [p], [resumed]) == [3]   # EOS held back, 2 penalized
+    assert Sampler(0).sample(logits, [p], [0], [resumed]) == [3]   # EOS held back, 2 penalized

@@ -357,7 +357,8 @@ def test_a_request_made_while_the_engine_is_unavailable_waits_for_it(server, cli
 def test_kill_9_of_the_engine_loses_no_in_flight_request(server, client, served_adapters):
     """Runs last in this module: the engine comes back with the --adapter-dir adapters and those loaded
     over HTTP (its journal), and the stream that was running when it died, on an adapter loaded over
-    HTTP, carries on to its full length (resent as prompt + tokens so far)."""
+    HTTP, carries on to its full length (resent as prompt + tokens so far), with the seeded tokens an
+    uninterrupted run gives."""
     import os
     import re
     import signal
@@ -368,7 +369,7 @@ def test_kill_9_of_the_engine_loses_no_in_flight_request(server, client, served_
     assert r.status_code == 200, r.text
     pid = int(re.search(r"engine pid (\d+)", "".join(server.lines)).group(1))
     n = 40
-    body = {"model": "tenant-x", "prompt": "An endless story:", "max_tokens": n, "temperature": 0,
+    body = {"model": "tenant-x", "prompt": "An endless story:", "max_tokens": n, "temperature": 1.0, "seed": 1234,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
     with requests.post(server.url + "/v1/completions", json=body, headers=AUTH, stream=True, timeout=300) as r:
         lines = r.iter_lines()
@@ -380,9 +381,12 @@ def test_kill_9_of_the_engine_loses_no_in_flight_request(server, client, served_
     assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
     usage = events[-1]["usage"]
     assert usage["completion_tokens"] == n and usage["prompt_tokens"] < 10, usage
-    assert "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    assert text
     assert "engine restarted" in "".join(server.lines)
     assert wait_until(lambda: requests.get(server.url + "/health").status_code == 200, timeout=30)
+    whole = requests.post(server.url + "/v1/completions", json={**body, "stream": False}, headers=AUTH, timeout=300)
+    assert whole.json()["choices"][0]["text"] == text
     assert "tenant-x" in {m.id for m in client.models.list().data}
     out = client.completions.create(model="tenant-x", prompt="Hello", max_tokens=3, temperature=0)
     assert out.usage.completion_tokens == 3
