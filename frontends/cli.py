@@ -81,8 +81,10 @@ def _serve(args: argparse.Namespace) -> int:
     if args.stream_timeout <= 0 or args.stream_buffer < 1:
         raise ValueError(f"--stream-timeout must be > 0 and --stream-buffer >= 1, got {args.stream_timeout} and "
                          f"{args.stream_buffer}")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     return serve(kwargs, args.adapter_dir, args.host, args.port, args.frontends, args.api_key, loading, args.auth,
-                 (args.stream_timeout, args.stream_buffer))
+                 (args.stream_timeout, args.stream_buffer), shutdown_timeout=args.shutdown_timeout)
 
 
 def _apply_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
@@ -141,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a streaming client may take nothing before it is aborted (its pages freed)")
     s.add_argument("--stream-buffer", type=int, default=1024,
                    help="outputs of one request that may wait for a slow client before it is aborted")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM / SIGINT: stop taking connections, give running requests this many seconds "
+                        "to finish, then stop the engine (keep it below your orchestrator's grace period)")
     s.add_argument("--replicas", type=int, default=1,
                    help=">= 2: that many engine replicas behind one endpoint on Ray Serve (pip install loraplex[ray])")
     s.add_argument("--ray-address", default=None, help="the Ray cluster to join (default: start a local one)")

@@ -289,12 +289,16 @@ def _no_such_model(model) -> str:
 
 
 async def serve(engine_address: str, host: str, port: int, auth: Auth, frontend_id: str,
-                stream_timeout: float = 60.0, stream_buffer: int = MAX_BUFFERED) -> None:
+                stream_timeout: float = 60.0, stream_buffer: int = MAX_BUFFERED,
+                shutdown_timeout: float = 30.0) -> None:
+    """Serve until SIGTERM / SIGINT; then stop listening and give running requests `shutdown_timeout`
+    seconds to finish (aiohttp's graceful shutdown) before closing."""
     client = await AsyncEngineClient(engine_address, frontend_id, stream_buffer).connect(timeout=600)
     server = OpenAIServer(client, auth, stream_timeout)
     # handler_cancellation: a client that goes away cancels its handler, which aborts its engine requests
     # (also for non-streamed requests, which write nothing until they finish)
-    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False, handler_cancellation=True)
+    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False, handler_cancellation=True,
+                           shutdown_timeout=shutdown_timeout)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_port=True)
     await site.start()
@@ -304,6 +308,7 @@ async def serve(engine_address: str, host: str, port: int, auth: Auth, frontend_
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    log.info("stopping: no new connections; running requests have %.0f s to finish", shutdown_timeout)
     await runner.cleanup()
     await client.close()
 
@@ -316,13 +321,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frontend-id", default=f"http-{os.getpid()}")
     p.add_argument("--stream-timeout", type=float, default=60.0)
     p.add_argument("--stream-buffer", type=int, default=MAX_BUFFERED)
+    p.add_argument("--shutdown-timeout", type=float, default=30.0)
     args = p.parse_args(argv)
     auth = parse_auth(envs.auth_config(), envs.api_key())
     logging.basicConfig(level=envs.log_level(),
                         format=f"%(asctime)s {args.frontend_id} %(levelname)s %(message)s")
     import uvloop
     uvloop.run(serve(args.engine_address, args.host, args.port, auth, args.frontend_id, args.stream_timeout,
-                     args.stream_buffer))
+                     args.stream_buffer, args.shutdown_timeout))
     return 0
 
 

@@ -3,7 +3,8 @@
 Processes are started with subprocess (never multiprocessing's pickling); each child prints one JSON
 line on stdout when ready. A frontend that dies is restarted. A dead engine is restarted too; the
 frontends reconnect by themselves and resend its in-flight requests (see frontends/engine_client.py).
-SIGINT / SIGTERM shut every process down cleanly.
+SIGINT / SIGTERM shut every process down cleanly: the frontends first, each finishing its running requests
+(up to --shutdown-timeout seconds) while the engine still serves them, then the engine.
 """
 from __future__ import annotations
 
@@ -75,9 +76,9 @@ class Child:
 
 def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, frontends: int,
           api_key: str | None, loading: dict | None = None, auth: dict | None = None,
-          streaming: tuple[float, int] = (60.0, 1024)) -> int:
+          streaming: tuple[float, int] = (60.0, 1024), *, shutdown_timeout: float = 30.0) -> int:
     """loading: {"lora_roots": [...], "runtime_lora": bool}, the runtime adapter loading rules; streaming:
-    (--stream-timeout, --stream-buffer) of the frontends."""
+    (--stream-timeout, --stream-buffer) of the frontends; shutdown_timeout: see `stop_all`."""
     run_dir = Path(tempfile.mkdtemp(prefix="loraplex-"))
     prom_dir = run_dir / "metrics"
     prom_dir.mkdir()
@@ -103,7 +104,8 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
     engine = Child("engine", engine_argv, env)
     fronts = [Child(f"frontend-{i}", [py, "-m", "frontends.http_server", "--engine-address", address, "--host", host,
                                       "--port", str(port), "--frontend-id", f"http-{i}",
-                                      "--stream-timeout", str(streaming[0]), "--stream-buffer", str(streaming[1])], env)
+                                      "--stream-timeout", str(streaming[0]), "--stream-buffer", str(streaming[1]),
+                                      "--shutdown-timeout", str(shutdown_timeout)], env)
               for i in range(frontends)]
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -133,8 +135,16 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
         print(f"loraplex: error: {e}", file=sys.stderr)
         return 1
     finally:
-        for c in fronts + [engine]:
-            c.stop()
-        for c in fronts + [engine]:
-            c.kill_if_alive(15)
+        stop_all(fronts, engine, shutdown_timeout)
         print("loraplex: stopped", flush=True)
+
+
+def stop_all(fronts: list[Child], engine: Child, shutdown_timeout: float) -> None:
+    """Drain, then stop: each frontend stops taking connections and gives its running requests
+    `shutdown_timeout` seconds to finish (the engine still serves them); then the engine stops."""
+    for f in fronts:
+        f.stop()
+    for f in fronts:
+        f.kill_if_alive(shutdown_timeout + 10)
+    engine.stop()
+    engine.kill_if_alive(15)
