@@ -118,6 +118,7 @@ class OpenAIServer:
         req = await self.body(request, CompletionRequest)
         prompt = oai.completion_prompt(req)
         ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
+        oai.check_token_ids(ids, self.client.status.vocab_size)      # before echo decodes them
         echo = None
         if req.echo:
             echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)

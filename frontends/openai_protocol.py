@@ -116,6 +116,14 @@ def max_tokens(req: CompletionRequest | ChatCompletionRequest) -> tuple[str, int
     return None if req.max_tokens is None else ("max_tokens", req.max_tokens)
 
 
+def check_token_ids(ids: list[int], vocab_size: int) -> None:
+    """ApiError (400) naming the first prompt token id outside the model's vocabulary (vocab_size 0: unknown,
+    the engine checks)."""
+    bad = next((t for t in ids if vocab_size and t >= vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"token id {bad} is not in the model's vocabulary [0, {vocab_size})", "prompt")
+
+
 def check_length(req: CompletionRequest | ChatCompletionRequest, prompt_len: int, limit: int, echo: bool) -> bool:
     """ApiError (400) unless the prompt has 1 to limit - 1 tokens and what the request asks to generate
     fits the rest of the context (`limit` tokens). -> prompt only: echo with max_tokens 0."""

@@ -48,6 +48,7 @@ class EngineStatus(msgspec.Struct, tag="status", **_STRUCT):
     running: int = 0
     waiting: int = 0
     incarnation: str = ""    # changes when the engine process is restarted
+    vocab_size: int = 0      # token ids are in [0, vocab_size); 0: not told
 
 
 EngineOutput = RequestOutput | AdapterReply | EngineStatus

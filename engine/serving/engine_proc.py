@@ -174,7 +174,7 @@ class AsyncEngine:
         m = self.core.cfg.model
         return EngineStatus(m.name, m.path, m.max_model_len,
                             self.core.adapters.names() if self.core.adapters else [], len(s.running), len(s.waiting),
-                            self.incarnation)
+                            self.incarnation, m.vocab_size)
 
     # -- inputs -----------------------------------------------------------------------------------------
     async def apply(self, identity: bytes, msg) -> None:

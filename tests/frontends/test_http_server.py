@@ -213,6 +213,18 @@ def test_token_ids_beyond_the_vocabulary_get_400_while_others_run(server, client
         assert other.result().usage.completion_tokens == 24
 
 
+@pytest.mark.parametrize("echo", [True, False])
+def test_prompt_token_ids_beyond_the_vocabulary_get_400_naming_the_prompt(server, echo):
+    """Found by the fuzzer: with echo, a prompt id of 2**57 reached the tokenizer's decode, which raised
+    (ids of 2**32 and more), a 500."""
+    for bad in (49152, 2 ** 57):
+        body = {"model": BASE, "prompt": [1, 2, bad], "max_tokens": 2, "echo": echo}
+        r = requests.post(server.url + "/v1/completions", json=body, headers=AUTH)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "prompt" and f"token id {bad} is not in the model's vocabulary" in err["message"]
+
+
 def test_logit_bias_and_penalties_as_the_openai_client_sends_them(server, client):
     tok = load_tokenizer(str(default_model_dir()))
     forced = tok(" Paris")["input_ids"][0]
