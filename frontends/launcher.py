@@ -91,7 +91,8 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
     port = port or free_port(host)
     py = sys.executable
     engine_argv = [py, "-m", "engine.serving.engine_proc", "--address", address,
-                   "--engine-args", json.dumps(engine_kwargs), "--state-file", str(run_dir / "adapters.json")]
+                   "--engine-args", json.dumps(engine_kwargs), "--state-file", str(run_dir / "adapters.json"),
+                   "--shutdown-timeout", str(shutdown_timeout)]
     if adapter_dir:
         engine_argv += ["--adapter-dir", adapter_dir]
     loading = loading or {}
@@ -147,4 +148,4 @@ def stop_all(fronts: list[Child], engine: Child, shutdown_timeout: float) -> Non
     for f in fronts:
         f.kill_if_alive(shutdown_timeout + 10)
     engine.stop()
-    engine.kill_if_alive(15)
+    engine.kill_if_alive(shutdown_timeout + 15)

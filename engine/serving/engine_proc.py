@@ -61,6 +61,7 @@ class AsyncEngine:
         self.wakeup = asyncio.Event()
         self.incarnation = uuid.uuid4().hex
         self.stopping = False
+        self.draining = False       # drain(): new requests get a 503; serve() returns once none is left
 
     # -- set-up -----------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -92,10 +93,19 @@ class AsyncEngine:
         print(json.dumps({"ready": True, "model": self.core.cfg.model.name}), flush=True)
         tasks = [asyncio.create_task(c) for c in (self.receive(), self.step_loop(), self.send(), self.heartbeat())]
         try:
-            await asyncio.gather(*tasks)
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                t.result()              # an actor's exception ends the engine, as before
         finally:
             for t in tasks:
                 t.cancel()
+            self.sock.close(linger=2000)
+
+    def drain(self) -> None:
+        """Stop taking requests (each new one gets a 503) and return from serve() once every request
+        admitted has finished and its last output was sent."""
+        self.draining = True
+        self.wakeup.set()
 
     # -- actors -----------------------------------------------------------------------------------------
     async def receive(self) -> None:
@@ -120,6 +130,9 @@ class AsyncEngine:
                 identity, msg = self.inbox.get_nowait()
                 await self.apply(identity, msg)
             if not self.core.has_unfinished():
+                if self.draining:
+                    await self.send_q.join()            # the last outputs are out
+                    return
                 self.stats.publish(force=True)
                 self.wakeup.clear()
                 if self.inbox.empty():
@@ -137,14 +150,17 @@ class AsyncEngine:
     async def send(self) -> None:
         while True:
             identity, msg = await self.send_q.get()
-            batch = [msg]
-            while not self.send_q.empty() and len(batch) < 256:
+            batch, n = [msg], 1
+            while not self.send_q.empty() and n < 256:
                 nxt_identity, nxt = self.send_q.get_nowait()
+                n += 1
                 if nxt_identity != identity:
                     await self._send(identity, batch)
                     identity, batch = nxt_identity, []
                 batch.append(nxt)
             await self._send(identity, batch)
+            for _ in range(n):
+                self.send_q.task_done()
 
     async def _send(self, identity: bytes, batch: list) -> None:
         try:
@@ -200,6 +216,8 @@ class AsyncEngine:
         return None
 
     async def add(self, identity: bytes, req: GenerateRequest) -> None:
+        if self.draining:
+            return await self.refuse(identity, req.request_id, "the server is shutting down", 503)
         full = None if req.resumed else self.over_limit(req)     # a resent request keeps its place
         if full is not None:
             return await self.refuse(identity, req.request_id, full, 429)
@@ -279,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lora-root", action="append", default=[], help="a folder runtime loads may read from")
     p.add_argument("--disable-runtime-lora", action="store_true")
     p.add_argument("--max-waiting", type=int, default=1024, help="requests waiting beyond it get a 429")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on the first SIGTERM / SIGINT: finish the requests admitted for up to this many seconds")
     p.add_argument("--state-file", default=None, help="JSON Lines journal of adapters loaded at run time "
                    "(registered again when a restarted engine starts)")
     args = p.parse_args(argv)
@@ -295,8 +315,16 @@ def main(argv: list[str] | None = None) -> int:
     async def run():
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
+
+        def on_signal():        # the first drains (up to --shutdown-timeout), a second stops at once
+            if engine.draining:
+                task.cancel()
+                return
+            log.info("stopping: no new requests; those admitted have %.0f s to finish", args.shutdown_timeout)
+            engine.drain()
+            loop.call_later(args.shutdown_timeout, task.cancel)
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, task.cancel)
+            loop.add_signal_handler(sig, on_signal)
         try:
             await engine.serve()
         except asyncio.CancelledError:

@@ -47,3 +47,40 @@ def test_sigterm_lets_running_streams_finish_and_takes_no_new_connection(tiny_se
     assert got[-1][0] > refused_at, "the stream ended before new connections were refused: nothing was drained"
     assert s.proc.wait(60) == 0
     assert "loraplex: stopped" in "".join(s.lines)
+
+
+def children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def test_sigterm_to_every_process_at_once_still_finishes_running_streams(tiny_served):
+    """As systemd (KillMode=control-group) or a terminal's Ctrl-C signal a whole group: the engine, too, gets
+    the signal while streams run; it finishes the requests it admitted before it exits, and refuses new
+    ones with a 503."""
+    import os
+    import re
+    model, _ = tiny_served
+    s = Server("--model", str(model), "--dtype", "float32", "--frontends", "1", "--shutdown-timeout", "60")
+    engine = int(re.search(r"engine pid (\d+)", "".join(s.lines)).group(1))
+    n = 1500
+    body = {"model": requests.get(s.url + "/v1/models", timeout=10).json()["data"][0]["id"],
+            "prompt": "Once upon a time", "max_tokens": n, "stream": True, "ignore_eos": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    got: list[bytes] = []
+
+    def read():
+        with requests.post(s.url + "/v1/completions", json=body, stream=True, timeout=120) as r:
+            got.extend(line for line in r.iter_lines() if line)
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert wait_until(lambda: len(got) > 0, timeout=30)
+    everyone = [s.proc.pid, *children(s.proc.pid)]
+    assert engine in everyone and len(everyone) == 3
+    for pid in everyone:
+        os.kill(pid, signal.SIGTERM)
+    reader.join(120)
+    events = [json.loads(line[len(b"data: "):]) for line in got if line.startswith(b"data: {")]
+    assert not any("error" in e for e in events), events[-2:]
+    assert events[-1]["usage"]["completion_tokens"] == n and got[-1] == b"data: [DONE]"
+    assert s.proc.wait(60) == 0
