@@ -33,6 +33,7 @@ from engine.serving.adapter_commands import AdapterCommands
 from engine.serving.adapter_dir import register_adapter_dir
 from engine.serving.adapter_journal import AdapterJournal
 from engine.serving.engine_stats import EngineStatsPublisher
+from engine.serving.request_routes import RequestRoutes
 from ipc.outputs import EngineStatus, RequestOutput, encode_outputs
 from ipc.requests import AbortRequest, AdapterCommand, GenerateRequest, Hello, decode_request
 
@@ -54,9 +55,7 @@ class AsyncEngine:
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="loraplex-engine")
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.send_q: asyncio.Queue = asyncio.Queue()
-        self.owner: dict[str, bytes] = {}          # request id -> frontend identity
-        self.stream: dict[str, bool] = {}
-        self.pending: dict[str, RequestOutput] = {}  # non-streaming requests: accumulated output
+        self.routes = RequestRoutes()
         self.frontends: dict[bytes, float] = {}   # identity -> last time it said Hello
         self.wakeup = asyncio.Event()
         self.incarnation = uuid.uuid4().hex
@@ -180,7 +179,7 @@ class AsyncEngine:
         for identity, seen in list(self.frontends.items()):
             if now - seen > FRONTEND_TIMEOUT:
                 del self.frontends[identity]
-                orphans = [rid for rid, owner in self.owner.items() if owner == identity]
+                orphans = self.routes.owned_by(identity)
                 self.inbox.put_nowait((identity, AbortRequest(orphans)))
                 self.wakeup.set()
                 log.warning("frontend %r went silent; aborting its %d requests", identity, len(orphans))
@@ -198,7 +197,7 @@ class AsyncEngine:
             await self.add(identity, msg)
         elif isinstance(msg, AbortRequest):
             for rid in msg.request_ids:
-                if self.owner.get(rid) == identity:
+                if self.routes.owner.get(rid) == identity:
                     self.core.abort(rid)
                     self.forget(rid)
         elif isinstance(msg, AdapterCommand):
@@ -228,8 +227,7 @@ class AsyncEngine:
             return await self.refuse(identity, req.request_id, str(e.args[0]) if e.args else str(e), 404)
         except ValueError as e:
             return await self.refuse(identity, req.request_id, str(e), 400)
-        self.owner[req.request_id] = identity
-        self.stream[req.request_id] = req.stream
+        self.routes.add(req.request_id, identity, req.stream)
         self.processor.add(req.request_id, req.prompt_token_ids, req.params.stop,
                            req.params.include_stop_str_in_output, req.resumed, req.resumed_chars)
 
@@ -248,44 +246,23 @@ class AsyncEngine:
         """Each delta to the frontend that asked (a non-streaming request's only once it finished)."""
         metrics.GENERATED_TOKENS.inc(sum(len(d.token_ids) for d in deltas))
         for d in deltas:
-            identity = self.owner.get(d.request_id)
-            if identity is None:
-                continue
-            if not self.stream.get(d.request_id, True):
-                d = self._accumulate(d)
-                if d is None:
-                    continue
-            await self.send_q.put((identity, d))
+            routed = self.routes.route(d)
+            if routed is not None:
+                await self.send_q.put(routed)
             if d.finish_reason is not None:
-                self.forget(d.request_id)
-
-    def _accumulate(self, d: RequestOutput) -> RequestOutput | None:
-        acc = self.pending.get(d.request_id)
-        if acc is None:
-            acc = self.pending[d.request_id] = RequestOutput(d.request_id)
-        acc.token_ids = acc.token_ids + d.token_ids
-        acc.logprobs = acc.logprobs + d.logprobs
-        if d.prompt_logprobs is not None:
-            acc.prompt_logprobs = d.prompt_logprobs
-        acc.text += d.text
-        acc.prompt_tokens, acc.completion_tokens = d.prompt_tokens, d.completion_tokens
-        acc.cached_tokens = d.cached_tokens
-        acc.finish_reason, acc.error, acc.status = d.finish_reason, d.error, d.status
-        return self.pending.pop(d.request_id) if d.finish_reason is not None else None
+                self.processor.drop(d.request_id)
 
     async def fail_running(self, error: str) -> None:
         for req in list(self.core.scheduler.running):
             rid = req.request_id
-            identity = self.owner.get(rid)
+            identity = self.routes.owner.get(rid)
             self.core.abort(rid)
             if identity is not None:
                 await self.send_q.put((identity, RequestOutput(rid, finish_reason="abort", error=error, status=500)))
             self.forget(rid)
 
     def forget(self, rid: str) -> None:
-        self.owner.pop(rid, None)
-        self.stream.pop(rid, None)
-        self.pending.pop(rid, None)
+        self.routes.forget(rid)
         self.processor.drop(rid)
 
 
