@@ -22,10 +22,11 @@ from engine.tokenizer import encode_chat, load_tokenizer
 from frontends import api_types, sse
 from frontends import openai_protocol as oai
 from frontends.api_types import ChatCompletionRequest, CompletionRequest, LoadLoraRequest, UnloadLoraRequest
-from frontends.auth import ANONYMOUS_ADMIN, Auth, parse_auth
+from frontends.auth import Auth, parse_auth
 from frontends.choices import Merged, choice_params, collect
 from frontends.echo import Echo
 from frontends.engine_client import MAX_BUFFERED, AsyncEngineClient, EngineError
+from frontends.error_middleware import error_middleware, no_such_model
 from frontends.openai_protocol import ApiError
 from frontends.openapi import openapi_document
 from frontends.stream_chunks import StreamChunks, finish_reason
@@ -45,7 +46,7 @@ class OpenAIServer:
 
     # -- plumbing ---------------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self.errors], client_max_size=8 << 20)
+        app = web.Application(middlewares=[error_middleware(self.auth)], client_max_size=8 << 20)
         app.on_response_prepare.append(self.tag_response)
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat),
@@ -58,35 +59,6 @@ class OpenAIServer:
 
     async def tag_response(self, request: web.Request, response: web.StreamResponse) -> None:
         response.headers.update(self.headers)
-
-    @web.middleware
-    async def errors(self, request: web.Request, handler):
-        try:
-            caller = self.auth.caller(request.headers.get("Authorization", ""))
-            if request.path.startswith("/v1/") and caller is None:
-                raise ApiError(401, "missing or wrong API key", code="invalid_api_key")
-            request["caller"] = caller or ANONYMOUS_ADMIN
-            return await handler(request)
-        except ApiError as e:
-            return web.json_response(e.body(), status=e.status)
-        except EngineError as e:
-            message = str(e)
-            if e.status == 404 and not request.get("caller", ANONYMOUS_ADMIN).is_admin:
-                message = _no_such_model(request.get("model"))    # a tenant learns nothing of the server
-            headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
-            return web.json_response(ApiError(e.status, message).body(), status=e.status, headers=headers)
-        except web.HTTPException as e:       # no such route (404), method (405), a body too large (413)
-            if e.status < 400:
-                raise
-            headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
-            return web.json_response(ApiError(e.status, e.reason).body(), status=e.status, headers=headers)
-        except (asyncio.CancelledError, ConnectionResetError):
-            raise
-        except Exception:       # a bug of ours: logged with its traceback, answered in the usual error shape
-            log.exception("unexpected error in %s %s", request.method, request.path)
-            if request.get("streaming"):
-                raise                  # the status line is sent: aiohttp closes the connection
-            return web.json_response(ApiError(500, "internal error (logged by the server)").body(), status=500)
 
     @staticmethod
     async def body(request: web.Request, type_: type):
@@ -103,7 +75,7 @@ class OpenAIServer:
         request["model"] = model
         adapter = None if model == self.client.status.model else model
         if not request["caller"].may_use(adapter):
-            raise ApiError(404, _no_such_model(model), "model", "model_not_found")
+            raise ApiError(404, no_such_model(model), "model", "model_not_found")
         return adapter
 
     async def check_health(self) -> None:
@@ -280,13 +252,6 @@ class OpenAIServer:
         else:
             from prometheus_client import REGISTRY as registry
         return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-RETRY_AFTER_S = 1     # what a 429 (the waiting queue full) tells the client to wait
-
-
-def _no_such_model(model) -> str:
-    return f"The model {model!r} does not exist"
 
 
 async def serve(engine_address: str, host: str, port: int, auth: Auth, frontend_id: str,

@@ -1,0 +1,58 @@
+"""Every answer of the HTTP frontend in OpenAI's error shape, and who is calling.
+
+The middleware resolves the caller from its API key (401 on /v1/* without a valid one; frontends/auth.py),
+then turns what a handler raises into a JSON error: ApiError as it says, the engine's refusals with
+their status (a 404 for an adapter a tenant may not see reads as any unknown model; a 429 carries
+Retry-After), aiohttp's own 4xx (unknown route, method, a body too large), and a bug of ours as a logged
+500 (on a stream already started, aiohttp closes the connection instead).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from frontends.auth import ANONYMOUS_ADMIN, Auth
+from frontends.engine_client import EngineError
+from frontends.openai_protocol import ApiError
+
+log = logging.getLogger("loraplex.http")
+RETRY_AFTER_S = 1     # what a 429 (the waiting queue full) tells the client to wait
+
+
+def no_such_model(model) -> str:
+    return f"The model {model!r} does not exist"
+
+
+def error_middleware(auth: Auth):
+    """The aiohttp middleware; it sets request["caller"] for the handlers."""
+    @web.middleware
+    async def errors(request: web.Request, handler):
+        try:
+            caller = auth.caller(request.headers.get("Authorization", ""))
+            if request.path.startswith("/v1/") and caller is None:
+                raise ApiError(401, "missing or wrong API key", code="invalid_api_key")
+            request["caller"] = caller or ANONYMOUS_ADMIN
+            return await handler(request)
+        except ApiError as e:
+            return web.json_response(e.body(), status=e.status)
+        except EngineError as e:
+            message = str(e)
+            if e.status == 404 and not request.get("caller", ANONYMOUS_ADMIN).is_admin:
+                message = no_such_model(request.get("model"))    # a tenant learns nothing of the server
+            headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
+            return web.json_response(ApiError(e.status, message).body(), status=e.status, headers=headers)
+        except web.HTTPException as e:       # no such route (404), method (405), a body too large (413)
+            if e.status < 400:
+                raise
+            headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+            return web.json_response(ApiError(e.status, e.reason).body(), status=e.status, headers=headers)
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:       # a bug of ours: logged with its traceback, answered in the usual error shape
+            log.exception("unexpected error in %s %s", request.method, request.path)
+            if request.get("streaming"):
+                raise                  # the status line is sent: aiohttp closes the connection
+            return web.json_response(ApiError(500, "internal error (logged by the server)").body(), status=500)
+    return errors
