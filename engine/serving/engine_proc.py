@@ -59,7 +59,6 @@ class AsyncEngine:
         self.frontends: dict[bytes, float] = {}   # identity -> last time it said Hello
         self.wakeup = asyncio.Event()
         self.incarnation = uuid.uuid4().hex
-        self.stopping = False
         self.draining = False       # drain(): new requests get a 503; serve() returns once none is left
 
     # -- set-up -----------------------------------------------------------------------------------------
