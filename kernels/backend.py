@@ -125,6 +125,12 @@ class Backend(ABC):
         model runner then puts no PrefillSeq in the metadata: see AttentionMetadata)."""
         return False
 
+    @property
+    def query_tile_rows(self) -> int:
+        """0, or the most rows of one request a tile takes: then the model runner describes the rows (every
+        token a row) as tiles over per-request block tables (AttentionMetadata.query_tiles)."""
+        return 0
+
     # -- the base model -------------------------------------------------------------------------------
     @abstractmethod
     def linear(self, weight: torch.Tensor) -> LinearOp:

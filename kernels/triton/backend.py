@@ -1,6 +1,7 @@
 """The Triton backend: Triton kernels where this package has them (paged attention over block tables,
-every token one query row), the reference backend's torch ops for the rest. On a CPU it runs only under
-the Triton interpreter (TRITON_INTERPRET=1, set before triton is imported): slow, for tests.
+every token one query row, a request's rows in tiles), the reference backend's torch ops for the rest.
+On a CPU it runs only under the Triton interpreter (TRITON_INTERPRET=1, set before triton is imported):
+slow, for tests.
 
 Multi-LoRA reads every adapter in place in the pool's pages, at its own rank (paged_lora.py: BGMV for
 decode tokens, SGMV for prefill segments).
@@ -17,10 +18,6 @@ from kernels.backend import ModelShape
 from kernels.reference.backend import TorchBackend
 
 
-def _pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
-
-
 class TritonBackend(TorchBackend):
     name = "triton"
 
@@ -28,11 +25,10 @@ class TritonBackend(TorchBackend):
         super().__init__(shape, device)
         if not self.runs_on(self.device):
             raise ValueError(f"backend 'triton': needs a CUDA device, or TRITON_INTERPRET=1 on {self.device}")
-        if not _pow2(shape.head_dim):
-            raise ValueError(f"backend 'triton': head_dim {shape.head_dim} is not a power of two")
         # NOTE: these import triton, which reads TRITON_INTERPRET once, when first imported
         from kernels.triton import paged_attention, paged_lora
         self._paged_attention = paged_attention.paged_attention
+        self._tile_rows = paged_attention.tile_rows(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype)
         self._paged_lora = paged_lora
 
     @staticmethod
@@ -46,9 +42,14 @@ class TritonBackend(TorchBackend):
     def every_token_a_row(self) -> bool:
         return True
 
+    @property
+    def query_tile_rows(self) -> int:
+        return self._tile_rows
+
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         assert not meta.prefills and meta.num_decode == q.shape[0], "every token is a row here"
-        return self._paged_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, scale)
+        return self._paged_attention(q, k_cache, v_cache, meta.seq_block_tables, meta.query_tiles,
+                                     meta.max_tile_rows, scale)
 
     def lora_slots(self, num_slots: int, max_rank: int, shape: ModelShape, storage: torch.Tensor):
         return self._paged_lora.PagedAdapters(shape, storage)

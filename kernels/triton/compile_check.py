@@ -129,9 +129,13 @@ def record_step(shape: Shape, dtype: torch.dtype, max_rank: int) -> set[Launch]:
             v = lora_ops.sgmv_shrink(x, pool, table, off, rank, seg_start, seg_adapter, max_rank, 3, P)
             lora_ops.sgmv_expand(v, y, pool, table, off, rank, scale, seg_start, seg_adapter, 0, n_out, 3, P)
         paged = pool.view(2, shape.layers, 2, shape.block_size, shape.kv_heads, shape.head_dim)
-        paged_attention.paged_attention(torch.zeros(4, shape.heads, shape.head_dim, dtype=dtype), paged[:, 0, 0],
-                                        paged[:, 0, 1], table[:, :2].repeat(2, 1)[:4], torch.ones(4, dtype=torch.int64),
-                                        shape.head_dim ** -0.5)
+        rows = paged_attention.tile_rows(shape.heads, shape.kv_heads, shape.head_dim, dtype)
+        tiles = torch.tensor([[0, 0, rows, 1], [1, rows, 1, 1]], dtype=torch.int32)
+        for max_rows in (1, rows):                                  # a decode-only step, a step with a prefill
+            paged_attention.paged_attention(torch.zeros(rows + 1, shape.heads, shape.head_dim, dtype=dtype),
+                                            paged[:, 0, 0], paged[:, 0, 1], table[:2, :2].to(torch.int32),
+                                            tiles[1:] if max_rows == 1 else tiles, max_rows,
+                                            shape.head_dim ** -0.5)
     return launches
 
 

@@ -1,83 +1,133 @@
-"""Triton paged attention for GPUs: every query row attends to its own prefix, K/V read through the block table.
+"""Triton paged attention for GPUs: prefill chunks and decode tokens of one step in one launch, K/V read
+through each request's block table, query rows taken in tiles so that a tile reads its keys once.
 
-Same contract as the C kernel (kernels/cpu/attention.py), so decode and prefill take one path:
-    q:            [R, H, d]    one row per token (decode: one per request; prefill: every new token)
+    q:            [R, H, d]   one row per token of the step
     k/v_cache:    [num_pages, block_size, kv_heads, d] views of the page pool (one layer), rows of a page
                   contiguous, both with the same strides
-    block_tables: [R, max_blocks] int64 page ids of each row's request (padded with any valid page)
-    lens:         [R] int64 how many tokens row r attends to (>= 1; its own position + 1 in a prefill)
-    -> out [R, H, d]: softmax(scale * q k^T) v over tokens [0, lens[r]) of row r, fp32 inside.
-One program per (row, KV head): the query heads sharing that KV head are its G rows; blocks are visited
-once with an online softmax (running max and sum), so K/V are read once per row and head group.
-head_dim and block_size must be powers of two (Triton block shapes). Tested under TRITON_INTERPRET=1.
+    block_tables: [S, max_blocks] int32 page ids of each request (padded with any valid page)
+    tiles:        [N, 4] int32 (request s, first row r0, rows n, length l0): rows r0 .. r0+n-1 belong to
+                  request s and row r0+i attends to that request's first l0+i tokens (its own position + 1).
+                  Invariant: the tiles cover every row exactly once, 1 <= n <= tile_rows, l0 >= 1.
+    -> out [R, H, d]: softmax(scale * q k^T) v over each row's tokens, fp32 inside.
+
+A decode token is a tile of one row; a prefill chunk of n tokens is ceil(n / tile_rows) tiles.
+One program per (tile, KV head): its rows are the tile's rows times the G query heads sharing that KV
+head, one [M, d] matrix (M >= 16 for tl.dot); keys are visited BLOCK_N at a time, each key's page looked
+up in the table (so block_size is free), with an online softmax (running max and sum, base 2).
+tl.dot takes the model's dtype: bf16 / fp16 on tensor cores (p rounded to it for p @ v, as flash
+attention does), fp32 in full fp32 ("ieee", not TF32). The interpreter has no bf16 tl.dot: under it the
+operands are widened to fp32 (WIDEN), the only difference from what a GPU runs. Tested under
+TRITON_INTERPRET=1 against the fp32 torch reference.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
+LOG2E = 1.4426950408889634
+
 
 @triton.jit
-def _paged_attention_kernel(q_ptr, o_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, page_stride, tok_stride,
-                            table_stride, scale, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                            D: tl.constexpr, BS: tl.constexpr):
-    row = tl.program_id(0)
+def _paged_attention_kernel(q_ptr, o_ptr, k_ptr, v_ptr, table_ptr, tiles_ptr, page_stride, tok_stride,
+                            table_stride, scale_log2, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+                            D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+    tile = tl.program_id(0)
     kvh = tl.program_id(1)
-    n = tl.load(lens_ptr + row)
-    gs = tl.arange(0, GP)
-    ds = tl.arange(0, D)
-    ts = tl.arange(0, BS)
-    heads = kvh * G + gs
-    q_off = row * H * D + heads[:, None] * D + ds[None, :]
-    q = tl.load(q_ptr + q_off, mask=gs[:, None] < G, other=0.0).to(tl.float32)          # [GP, D]
-    m_i = tl.full((GP,), float("-inf"), tl.float32)
-    l_i = tl.zeros((GP,), tl.float32)
-    acc = tl.zeros((GP, D), tl.float32)
-    for start in range(0, n, BS):
-        page = tl.load(table_ptr + row * table_stride + start // BS)
-        valid = start + ts < n
-        kv_off = page * page_stride + ts[:, None] * tok_stride + kvh * D + ds[None, :]
-        k = tl.load(k_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)      # [BS, D]
-        v = tl.load(v_ptr + kv_off, mask=valid[:, None], other=0.0).to(tl.float32)
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale                         # [GP, BS]
-        s = tl.where(valid[None, :], s, float("-inf"))
+    seq = tl.load(tiles_ptr + tile * 4)
+    r0 = tl.load(tiles_ptr + tile * 4 + 1)
+    n = tl.load(tiles_ptr + tile * 4 + 2)
+    l0 = tl.load(tiles_ptr + tile * 4 + 3)
+    ms = tl.arange(0, BLOCK_M)
+    qi = ms // GP                                   # the row within the tile
+    gi = ms % GP                                    # the query head within the KV head's group
+    ds = tl.arange(0, DP)
+    row_ok = (qi < n) & (gi < G)
+    row_len = tl.minimum(l0 + qi, l0 + n - 1)       # rows past the tile repeat its last (stored nowhere)
+    base = r0.to(tl.int64) * (H * D) + kvh * G * D
+    q = tl.load(q_ptr + base + qi[:, None] * (H * D) + gi[:, None] * D + ds[None, :],
+                mask=row_ok[:, None] & (ds[None, :] < D), other=0.0)
+    if WIDEN:
+        q = q.to(tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, DP), tl.float32)
+    for start in range(0, l0 + n - 1, BLOCK_N):
+        keys = start + tl.arange(0, BLOCK_N)
+        key_ok = keys < l0 + n - 1
+        page = tl.load(table_ptr + seq * table_stride + keys // BS, mask=key_ok, other=0).to(tl.int64)
+        key_off = page * page_stride + (keys % BS) * tok_stride + kvh * D                  # [BLOCK_N]
+        if DP == D:
+            kt = tl.load(k_ptr + key_off[None, :] + ds[:, None], mask=key_ok[None, :], other=0.0)  # [DP, BLOCK_N]
+            v = tl.load(v_ptr + key_off[:, None] + ds[None, :], mask=key_ok[:, None], other=0.0)   # [BLOCK_N, DP]
+        else:
+            kt = tl.load(k_ptr + key_off[None, :] + ds[:, None], mask=key_ok[None, :] & (ds[:, None] < D),
+                         other=0.0)
+            v = tl.load(v_ptr + key_off[:, None] + ds[None, :], mask=key_ok[:, None] & (ds[None, :] < D),
+                        other=0.0)
+        if WIDEN:
+            kt = kt.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, kt, input_precision=PRECISION) * scale_log2                     # [BLOCK_M, BLOCK_N]
+        s = tl.where(keys[None, :] < row_len[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
-    tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=gs[:, None] < G)
+    tl.store(o_ptr + base + qi[:, None] * (H * D) + gi[:, None] * D + ds[None, :], out.to(o_ptr.dtype.element_ty),
+             mask=(qi < n)[:, None] & (gi < G)[:, None] & (ds[None, :] < D))
 
 
-# NOTE: 8 warps, not Triton's default 4: the [G, BS, D] products take ~190-210 registers a thread with 4
-# (8 resident warps per SM on sm_80 / sm_90), ~128 with 8 (16 warps per SM); ptxas's figures, no GPU timing.
+# NOTE: tile sizes are chosen from ptxas's figures for sm_80 / sm_89 / sm_90 (compile_check), no GPU timing.
+TILE_M = 64       # query rows x heads of one program (a prefill tile's rows: TILE_M // group heads)
+BLOCK_N = 32      # keys a loop step
 NUM_WARPS = 8
+NUM_STAGES = 2
 
 
-def _pow2(x: int) -> bool:
-    return x > 0 and x & (x - 1) == 0
+def group_pad(heads: int, kv_heads: int) -> int:
+    """Query heads per KV head, padded to a power of two (the M axis of a program holds rows x this)."""
+    return triton.next_power_of_2(heads // kv_heads)
+
+
+def tile_rows(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """How many rows of one request a prefill tile takes (query_tiles' `rows`). fp32 operands take twice
+    the registers: at head_dim 128 a 64-row program spills (ptxas, sm_89 / sm_90), so fp32 tiles are
+    smaller there (fp32 serves the PEFT-equality tests, not production)."""
+    tile_m = 16 if dtype == torch.float32 and head_dim > 64 else TILE_M
+    return max(1, tile_m // group_pad(heads, kv_heads))
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """See the module docstring for shapes."""
+                    tiles: torch.Tensor, max_rows: int, scale: float) -> torch.Tensor:
+    """See the module docstring for shapes; max_rows: the most rows any tile has (sizes the program)."""
     rows, heads, d = q.shape
     _, bs, kvh, hd = k_cache.shape
     if hd != d or heads % kvh:
         raise ValueError(f"paged_attention: q has {heads} heads of {d}, cache {kvh} KV heads of {hd}")
-    if not (_pow2(d) and _pow2(bs)):
-        raise ValueError(f"paged_attention: head_dim ({d}) and block_size ({bs}) must be powers of two")
     assert v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
     assert k_cache.stride()[1:] == (kvh * d, d, 1), "K/V rows of a page must be contiguous"
     q = q.contiguous()
-    block_tables = block_tables.to(torch.int64).contiguous()
-    lens = lens.to(torch.int64).contiguous()
     out = torch.empty_like(q)
-    g = heads // kvh
-    _paged_attention_kernel[(rows, kvh)](q, out, k_cache, v_cache, block_tables, lens, k_cache.stride(0),
-                                         kvh * d, block_tables.stride(0), scale, H=heads, G=g,
-                                         GP=max(triton.next_power_of_2(g), 2), D=d, BS=bs, num_warps=NUM_WARPS)
+    if tiles.shape[0] == 0:
+        return out
+    gp = group_pad(heads, kvh)
+    block_m = max(16, triton.next_power_of_2(max_rows) * gp)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"      # (tf32 only matters when widened)
+    _paged_attention_kernel[(tiles.shape[0], kvh)](
+        q, out, k_cache, v_cache, block_tables, tiles, k_cache.stride(0), kvh * d, block_tables.stride(0),
+        scale * LOG2E, H=heads, G=heads // kvh, GP=gp, D=d, DP=max(16, triton.next_power_of_2(d)), BS=bs,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, PRECISION=precision, WIDEN=_interpreting(), num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
     return out
+
+
+def _interpreting() -> bool:
+    """Whether triton runs kernels in its interpreter (set before triton was imported)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"

@@ -11,7 +11,7 @@ from kernels.selector import select_backend
 from kernels.triton.backend import TritonBackend
 from tests.engine.lora.synthetic import TINY
 
-# head_dim 32: the CPU backend's paired KV layout applies (bf16 on AVX512-BF16) and Triton's power of two
+# head_dim 32: the CPU backend's paired KV layout applies (bf16 on AVX512-BF16)
 SHAPE = dataclasses.replace(TINY, hidden_size=128, intermediate_size=192, num_heads=4, num_kv_heads=2, head_dim=32)
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 # `make gpu-check` runs these tests on CUDA (LORAPLEX_TEST_DEVICE=cuda, without the Triton interpreter)
@@ -31,3 +31,12 @@ def available_backends() -> list[str]:
 
 def backend(name: str, dtype: torch.dtype, **shape):
     return select_backend(name, dataclasses.replace(SHAPE, dtype=dtype, **shape), DEVICE)
+
+
+def on_device(fn, *args):
+    """fn(*args) with every tensor argument on DEVICE -> (its result, its arguments), both on the host, so a
+    kernel test built on CPU tensors runs on the GPU under `make gpu-check` (args show in-place updates)."""
+    moved = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
+    out = fn(*moved)
+    return (out.cpu() if isinstance(out, torch.Tensor) else out), [
+        a.cpu() if isinstance(a, torch.Tensor) else a for a in moved]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention_metadata import AttentionMetadata, PrefillSeq
+from kernels.attention_metadata import AttentionMetadata, PrefillSeq, query_tiles
 from kernels.lora_layout import ModuleSlice, PackedLayout
 from tests.kernels.backends import DEVICE, SHAPE, TOL, available_backends, backend
 
@@ -54,15 +54,17 @@ def _chunk_mask(start: int, n: int) -> torch.Tensor | None:
     return torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
 
 
-def make_meta(seqs, tables, bs, every_token_a_row) -> AttentionMetadata:
-    """seqs: (computed tokens, new tokens) per request, decodes (1 new token) first; tables: their pages."""
-    pages, offs, dec_tables, counts, dec_lens, prefills, q = [], [], [], [], [], [], 0
-    for (start, n), table in zip(seqs, tables):
+def make_meta(seqs, tables, bs, b) -> AttentionMetadata:
+    """seqs: (computed tokens, new tokens) per request, decodes (1 new token) first; tables: their pages;
+    b: the backend (its every_token_a_row and query_tile_rows)."""
+    pages, offs, dec_tables, counts, dec_lens, prefills, q, tiles = [], [], [], [], [], [], 0, []
+    for seq, ((start, n), table) in enumerate(zip(seqs, tables)):
         end = start + n
         pages += [table[p // bs] for p in range(start, end)]
         offs += [p % bs for p in range(start, end)]
         used = table[: -(-end // bs)]
-        if n == 1 or every_token_a_row:
+        tiles += query_tiles(q, seq, start, n, b.query_tile_rows) if b.query_tile_rows else []
+        if n == 1 or b.every_token_a_row:
             dec_tables.append(used)
             counts.append(n)
             dec_lens += range(start + 1, end + 1)
@@ -75,7 +77,13 @@ def make_meta(seqs, tables, bs, every_token_a_row) -> AttentionMetadata:
         p.block_table = p.block_table.to(DEVICE)
         p.mask = None if p.mask is None else p.mask.to(DEVICE)
     meta = AttentionMetadata(dev(pages), dev(offs), len(dec_lens), None, None, prefills)
-    if dec_tables:
+    if tiles:
+        width = max(len(t) for t in tables)
+        meta.seq_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                             device=DEVICE)
+        meta.query_tiles = torch.tensor(tiles, dtype=torch.int32, device=DEVICE)
+        meta.max_tile_rows = max(t[2] for t in tiles)
+    elif dec_tables:
         width = max(len(t) for t in dec_tables)
         padded = dev([t + [0] * (width - len(t)) for t in dec_tables])
         meta.decode_block_tables = padded.repeat_interleave(dev(counts), 0)
@@ -94,7 +102,7 @@ def run_attention(b, dtype, steps, tables, bs=16, pages=24, layers=2):
         q = randn(t, s.num_heads, s.head_dim, dtype=dtype, seed=10 * i)
         k = randn(t, s.num_kv_heads, s.head_dim, dtype=dtype, seed=10 * i + 1)
         v = randn(t, s.num_kv_heads, s.head_dim, dtype=dtype, seed=10 * i + 2)
-        meta = make_meta(seqs, tables, bs, b.every_token_a_row)
+        meta = make_meta(seqs, tables, bs, b)
         b.write_kv(k_cache, v_cache, k, v, meta)
         outs.append(b.attention(q, k_cache, v_cache, meta, s.head_dim ** -0.5))
     return outs

@@ -1,9 +1,11 @@
-"""Paged multi-LoRA Triton kernels (TRITON_INTERPRET=1 on CPU) against the fp32 torch reference."""
+"""Paged multi-LoRA Triton kernels (TRITON_INTERPRET=1 on CPU; on the GPU under `make gpu-check`) against
+the fp32 torch reference."""
 import pytest
 import torch
 
 from kernels.reference.paged_lora import ref_expand, ref_shrink, segments_to_indices
 from kernels.triton import lora_ops
+from tests.kernels.backends import on_device
 
 PAGE = 256
 TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
@@ -54,13 +56,13 @@ def test_bgmv_shrink_expand(rank, dtype, hidden, kind):
     pool, table, a_off, b_off, rk, scale = make_adapters(ranks, hidden, n_out, dtype)
     idx = spread(kind, 10, len(ranks))
     x = torch.randn(10, hidden).to(dtype)
-    v = lora_ops.bgmv_shrink(x, pool, table, a_off, rk, idx, rank, PAGE)
+    v, _ = on_device(lora_ops.bgmv_shrink, x, pool, table, a_off, rk, idx, rank, PAGE)
     v_ref = ref_shrink(x, pool, table, a_off, rk, idx, rank, PAGE)
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(v, v_ref, atol=atol * hidden ** 0.5, rtol=rtol)
     y = torch.randn(10, n_out + 8).to(dtype)
     y_ref = ref_expand(v_ref, y, pool, table, b_off, rk, scale, idx, 8, n_out, PAGE)
-    lora_ops.bgmv_expand(v_ref, y, pool, table, b_off, rk, scale, idx, 8, n_out, PAGE)
+    y = on_device(lora_ops.bgmv_expand, v_ref, y, pool, table, b_off, rk, scale, idx, 8, n_out, PAGE)[1][1]
     torch.testing.assert_close(y.float(), y_ref, atol=atol * rank ** 0.5 * 4, rtol=rtol)
 
 
@@ -75,13 +77,15 @@ def test_sgmv_shrink_expand(rank, dtype, hidden, kind):
     T = int(seg_start[-1])
     x = torch.randn(T, hidden).to(dtype)
     idx = segments_to_indices(seg_start, seg_adapter)
-    v = lora_ops.sgmv_shrink(x, pool, table, a_off, rk, seg_start, seg_adapter, rank, max(lens), PAGE)
+    v, _ = on_device(lora_ops.sgmv_shrink, x, pool, table, a_off, rk, seg_start, seg_adapter, rank, max(lens),
+                     PAGE)
     v_ref = ref_shrink(x, pool, table, a_off, rk, idx, rank, PAGE)
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(v, v_ref, atol=atol * hidden ** 0.5, rtol=rtol)
     y = torch.randn(T, n_out).to(dtype)
     y_ref = ref_expand(v_ref, y, pool, table, b_off, rk, scale, idx, 0, n_out, PAGE)
-    lora_ops.sgmv_expand(v_ref, y, pool, table, b_off, rk, scale, seg_start, seg_adapter, 0, n_out, max(lens), PAGE)
+    y = on_device(lora_ops.sgmv_expand, v_ref, y, pool, table, b_off, rk, scale, seg_start, seg_adapter, 0, n_out,
+                  max(lens), PAGE)[1][1]
     torch.testing.assert_close(y.float(), y_ref, atol=atol * rank ** 0.5 * 4, rtol=rtol)
 
 
@@ -98,13 +102,14 @@ def test_sgmv_with_empty_segments_and_odd_ranks(dtype):
     T = int(seg_start[-1])
     x = torch.randn(T, hidden).to(dtype)
     idx = segments_to_indices(seg_start, seg_adapter)
-    v = lora_ops.sgmv_shrink(x, pool, table, a_off, rk, seg_start, seg_adapter, 64, max(lens), PAGE)
+    v, _ = on_device(lora_ops.sgmv_shrink, x, pool, table, a_off, rk, seg_start, seg_adapter, 64, max(lens), PAGE)
     v_ref = ref_shrink(x, pool, table, a_off, rk, idx, 64, PAGE)
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(v, v_ref, atol=atol * hidden ** 0.5, rtol=rtol)
     y = torch.randn(T, n_out).to(dtype)
     before = y.clone()
     y_ref = ref_expand(v_ref, y, pool, table, b_off, rk, scale, idx, 0, n_out, PAGE)
-    lora_ops.sgmv_expand(v_ref, y, pool, table, b_off, rk, scale, seg_start, seg_adapter, 0, n_out, max(lens), PAGE)
+    y = on_device(lora_ops.sgmv_expand, v_ref, y, pool, table, b_off, rk, scale, seg_start, seg_adapter, 0, n_out,
+                  max(lens), PAGE)[1][1]
     torch.testing.assert_close(y.float(), y_ref, atol=atol * 64 ** 0.5 * 4, rtol=rtol)
     assert torch.equal(y[14:17], before[14:17])          # the base-model segment is left alone

@@ -1,37 +1,71 @@
-"""Triton paged attention (TRITON_INTERPRET=1 on CPU) against the fp32 torch reference."""
+"""Triton paged attention (TRITON_INTERPRET=1 on CPU; on the GPU under `make gpu-check`) against the fp32
+torch reference, one row at a time."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.triton.paged_attention import paged_attention
-from tests.kernels.cpu.test_attention import random_case, reference
+from kernels.attention_metadata import query_tiles
+from kernels.triton.paged_attention import paged_attention, tile_rows
+from tests.kernels.backends import on_device
+from tests.kernels.cpu.test_attention import make_cache, reference
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
+def random_step(dtype, heads, kv_heads, d, bs, chunks, rows_per_tile, num_pages=96, seed=0):
+    """chunks: (tokens already computed, new tokens) per request. -> the kernel's arguments and, for the
+    reference, every row's own table and length."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache = make_cache(num_pages, 3, bs, kv_heads, d, dtype, layer=1, seed=seed)
+    width = max(-(-(s + n) // bs) for s, n in chunks)
+    tables = torch.randperm(num_pages, generator=g)[: width * len(chunks)].view(len(chunks), width)
+    tiles, row = [], 0
+    for seq, (start, n) in enumerate(chunks):
+        tiles += query_tiles(row, seq, start, n, rows_per_tile)
+        row += n
+    q = torch.randn(row, heads, d, generator=g).to(dtype)
+    row_tables = torch.cat([tables[s].expand(n, -1) for s, (_, n) in enumerate(chunks)])
+    row_lens = torch.cat([torch.arange(start + 1, start + n + 1) for start, n in chunks])
+    tiles_t = torch.tensor(tiles, dtype=torch.int32)
+    args = (q, k_cache, v_cache, tables.to(torch.int32), tiles_t, max(t[2] for t in tiles))
+    return args, (q, k_cache, v_cache, row_tables, row_lens)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,d,bs", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 16)])
-def test_matches_reference(dtype, heads, kv_heads, d, bs):
-    # lengths: one token, a partial block, exact blocks, several blocks with a partial tail
-    q, k_cache, v_cache, tables, lens = random_case(dtype, heads, kv_heads, d, bs, [1, 5, bs, 2 * bs, 3 * bs + 7])
-    out = paged_attention(q, k_cache, v_cache, tables, lens, d ** -0.5)
-    ref = reference(q, k_cache, v_cache, tables, lens, d ** -0.5)
-    assert out.dtype == dtype and out.shape == q.shape
-    torch.testing.assert_close(out.float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+@pytest.mark.parametrize("heads,kv_heads,d,bs", [(9, 3, 64, 16), (4, 4, 32, 8), (8, 1, 128, 16), (6, 3, 48, 12)])
+def test_a_mixed_step_matches_reference(dtype, heads, kv_heads, d, bs):
+    """Decode tokens (one, a partial block, exact blocks, a long tail) and prefill chunks (a whole prompt,
+    a later chunk, one longer than a tile) in one launch; head_dim 48 and block_size 12 included."""
+    chunks = [(0, 1), (4, 1), (bs - 1, 1), (3 * bs + 6, 1), (0, 23), (2 * bs + 3, 9), (5, 1)]
+    args, ref_args = random_step(dtype, heads, kv_heads, d, bs, chunks, rows_per_tile=8)
+    out, _ = on_device(paged_attention, *args, d ** -0.5)
+    assert out.dtype == dtype and out.shape == args[0].shape
+    torch.testing.assert_close(out.float(), reference(*ref_args, d ** -0.5), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def test_prefill_rows_each_over_their_own_prefix():
-    """A prefill chunk is rows of one request with lengths pos + 1: causal attention, one table."""
-    q, k_cache, v_cache, tables, _ = random_case(torch.float32, 9, 3, 64, 16, [40])
-    lens = torch.arange(30, 40) + 1                     # the chunk's tokens at positions 30..39
-    qs = torch.randn(len(lens), 9, 64)
-    out = paged_attention(qs, k_cache, v_cache, tables.expand(len(lens), -1), lens, 0.125)
-    torch.testing.assert_close(out, reference(qs, k_cache, v_cache, tables.expand(len(lens), -1), lens, 0.125),
-                               atol=1e-5, rtol=1e-5)
+@pytest.mark.parametrize("rows_per_tile", [1, 3, 16])
+def test_any_tiling_of_the_rows_gives_the_same_result(rows_per_tile):
+    """A prefill chunk cut into tiles of any size: each row still attends to exactly its own prefix."""
+    args, ref_args = random_step(torch.float32, 9, 3, 64, 16, [(30, 40), (0, 1)], rows_per_tile)
+    out, _ = on_device(paged_attention, *args, 0.125)
+    torch.testing.assert_close(out, reference(*ref_args, 0.125), atol=1e-5, rtol=1e-5)
 
 
-def test_shapes_it_cannot_tile_are_refused():
-    q, k_cache, v_cache, tables, lens = random_case(torch.float32, 6, 3, 48, 16, [3])
-    with pytest.raises(ValueError, match="head_dim"):
-        paged_attention(q, k_cache, v_cache, tables, lens, 0.1)
+def test_padding_past_a_request_is_never_read():
+    """Table entries and pages past a request's length hold other data (here NaN): they must not count."""
+    args, ref_args = random_step(torch.float32, 4, 2, 32, 8, [(10, 6), (3, 1)], rows_per_tile=4)
+    q, k_cache, v_cache, tables, tiles, max_rows = args
+    used = {int(p) for s, n in ((0, 16), (1, 4)) for p in tables[s, : -(-n // 8)]}
+    for page in set(range(k_cache.shape[0])) - used:
+        k_cache[page] = float("nan")
+        v_cache[page] = float("nan")
+    out, _ = on_device(paged_attention, q, k_cache, v_cache, tables, tiles, max_rows, 0.2)
+    assert out.isfinite().all()
+    torch.testing.assert_close(out, reference(*ref_args, 0.2), atol=1e-5, rtol=1e-5)
+
+
+def test_tile_rows_fill_a_program():
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert tile_rows(9, 3, 64, bf16) == 16 and tile_rows(32, 8, 128, bf16) == 16 and tile_rows(8, 1, 64, bf16) == 8
+    assert tile_rows(64, 1, 64, bf16) == 1 and tile_rows(9, 3, 64, fp32) == 16 and tile_rows(32, 8, 128, fp32) == 4
