@@ -17,7 +17,7 @@ from engine.model.weights import load_weights
 from engine.sampler import History, Sampler, chosen_and_top, logprobs
 from engine.scheduler import SchedulerOutput
 from ipc.outputs import TokenLogprobs
-from kernels.attention_metadata import AttentionMetadata, PrefillSeq, query_tiles
+from kernels.attention_metadata import AttentionMetadata, MetadataBuilder
 from kernels.backend import LoraStep
 from kernels.memory import huge_zeros
 from kernels.selector import configure_cpu_kernels, select_backend
@@ -67,31 +67,17 @@ class ModelRunner:
         self.capture_logits: dict[str, torch.Tensor] | None = None
 
     def prepare(self, out: SchedulerOutput) -> ForwardInput:
-        bs = self.block_size
-        ids, pos, pages, offs = [], [], [], []
+        ids, pos = [], []
         sample_rows, logits_idx, prompt_rows, prompt_targets = [], [], [], []
-        decode_tables, decode_counts, decode_lens, prefills = [], [], [], []
-        tile_rows, tiles, num_rows = self.backend.query_tile_rows, [], 0
+        b = self.backend
+        attn = MetadataBuilder(self.block_size, b.every_token_a_row, b.query_tile_rows)
         for row, (req, n) in enumerate(zip(out.requests, out.num_new_tokens)):
             start = req.num_computed_tokens
             end = start + n
-            tokens = req.all_token_ids
             q_start = len(ids)
-            ids.extend(tokens[start:end])
+            ids.extend(req.all_token_ids[start:end])
             pos.extend(range(start, end))
-            pages.extend(req.block_ids[p // bs] for p in range(start, end))
-            offs.extend(p % bs for p in range(start, end))
-            table = req.block_ids[: -(-end // bs)]
-            if tile_rows:
-                tiles += query_tiles(q_start, len(decode_tables), start, n, tile_rows)
-                decode_tables.append(table)
-                num_rows += n
-            elif n == 1 or self.backend.every_token_a_row:
-                decode_tables.append(table)
-                decode_counts.append(n)
-                decode_lens.extend(range(start + 1, end + 1))
-            else:
-                prefills.append(PrefillSeq(q_start, q_start + n, end, torch.tensor(table), _chunk_mask(start, n)))
+            attn.add(req.block_ids, start, n)
             if end == req.num_tokens:
                 sample_rows.append(row)
                 logits_idx.append(len(ids) - 1)
@@ -99,19 +85,7 @@ class ModelRunner:
                 for p in range(start, min(end, req.num_prompt_tokens - 1)):
                     prompt_rows.append(q_start + p - start)
                     prompt_targets.append((req, p + 1))
-        meta = AttentionMetadata(
-            slot_page=torch.tensor(pages, dtype=torch.long), slot_offset=torch.tensor(offs, dtype=torch.long),
-            num_decode=len(decode_lens) + num_rows, decode_block_tables=None, decode_lens=None, prefills=prefills)
-        if tiles:
-            meta.seq_block_tables = _padded(decode_tables, torch.int32)
-            meta.query_tiles = torch.tensor(tiles, dtype=torch.int32)
-            meta.max_tile_rows = max(t[2] for t in tiles)
-        elif decode_tables:
-            tables = _padded(decode_tables, torch.int64)
-            counts = torch.tensor(decode_counts)
-            meta.decode_block_tables = tables if bool((counts == 1).all()) else tables.repeat_interleave(counts, 0)
-            meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long)
-        inp = ForwardInput(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), meta,
+        inp = ForwardInput(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), attn.build(),
                            torch.tensor(logits_idx, dtype=torch.long), sample_rows, prompt_rows, prompt_targets)
         return inp if self.device.type == "cpu" else _to_device(inp, self.device)
 
@@ -162,31 +136,11 @@ def _history(r) -> History:
                    len(r.output_token_ids))
 
 
-def _padded(tables: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-    """Block tables as one [len(tables), longest] tensor, padded with page 0."""
-    width = max(len(t) for t in tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=dtype)
-
-
 def _to_device(inp: ForwardInput, device: torch.device) -> ForwardInput:
     """The step's tensors, built on the host, copied to the device in one pass (non-blocking)."""
     def move(t):
-        return None if t is None else t.to(device, non_blocking=True)
-    m = inp.meta
-    for name in ("slot_page", "slot_offset", "decode_block_tables", "decode_lens", "seq_block_tables", "query_tiles"):
-        setattr(m, name, move(getattr(m, name)))
-    for p in m.prefills:
-        p.block_table, p.mask = move(p.block_table), move(p.mask)
+        return t.to(device, non_blocking=True)
+    inp.meta.to(device)
     inp.input_ids, inp.positions = move(inp.input_ids), move(inp.positions)
     inp.logits_indices = move(inp.logits_indices)
     return inp
-
-
-def _chunk_mask(start: int, n: int) -> torch.Tensor | None:
-    """Queries at positions [start, start+n) over keys [0, start+n): key j visible to query i iff
-    j <= start + i. None when start == 0 (plain causal)."""
-    if start == 0:
-        return None
-    q = torch.arange(start, start + n)[:, None]
-    k = torch.arange(start + n)[None, :]
-    return k <= q

@@ -1,4 +1,5 @@
-"""What attention needs to know of one step, shared by every layer (built by engine/model_runner.py).
+"""What attention needs to know of one step, shared by every layer (MetadataBuilder, called by
+engine/model_runner.py).
 
 A request's K/V for token t lives at page block_table[t // block_size], offset t % block_size.
 """
@@ -37,6 +38,81 @@ class AttentionMetadata:
     seq_block_tables: torch.Tensor | None = None  # [S, max_blocks] int32 each request's pages (padded with 0)
     query_tiles: torch.Tensor | None = None       # [N, 4] int32 (request, first row, rows, first row's length)
     max_tile_rows: int = 0                        # the most rows of any tile
+
+    def to(self, device: torch.device) -> "AttentionMetadata":
+        """Moves every tensor to `device` in place (non-blocking copies from the host); returns self."""
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=True)
+        for name in ("slot_page", "slot_offset", "decode_block_tables", "decode_lens", "decode_mask",
+                     "seq_block_tables", "query_tiles"):
+            setattr(self, name, move(getattr(self, name)))
+        for p in self.prefills:
+            p.block_table, p.mask = move(p.block_table), move(p.mask)
+        return self
+
+
+class MetadataBuilder:
+    """A step's AttentionMetadata, built on the host as the backend lays it out: add the requests in row
+    order, then build(). A request whose chunk is one token (decode), or any request on a backend that
+    takes every token as a row, becomes rows (`decode_*`, or `query_tiles` when `tile_rows` > 0); any
+    other becomes a PrefillSeq."""
+
+    def __init__(self, block_size: int, every_token_a_row: bool, tile_rows: int):
+        self.block_size, self.every_token_a_row, self.tile_rows = block_size, every_token_a_row, tile_rows
+        self.pages: list[int] = []
+        self.offsets: list[int] = []
+        self.tables: list[list[int]] = []      # one per request given rows
+        self.counts: list[int] = []            # its number of rows
+        self.lens: list[int] = []              # each row's length (no tiles)
+        self.tiles: list[tuple[int, int, int, int]] = []
+        self.prefills: list[PrefillSeq] = []
+
+    def add(self, block_ids: list[int], start: int, n: int) -> None:
+        """A request computing its tokens [start, start + n) with pages `block_ids` (at least enough)."""
+        bs, q_start, end = self.block_size, len(self.pages), start + n
+        self.pages.extend(block_ids[p // bs] for p in range(start, end))
+        self.offsets.extend(p % bs for p in range(start, end))
+        table = block_ids[: -(-end // bs)]
+        if self.tile_rows:
+            self.tiles += query_tiles(q_start, len(self.tables), start, n, self.tile_rows)
+        elif n > 1 and not self.every_token_a_row:
+            self.prefills.append(PrefillSeq(q_start, q_start + n, end, torch.tensor(table), chunk_mask(start, n)))
+            return
+        else:
+            self.lens.extend(range(start + 1, end + 1))
+        self.tables.append(table)
+        self.counts.append(n)
+
+    def build(self) -> AttentionMetadata:
+        meta = AttentionMetadata(torch.tensor(self.pages, dtype=torch.long),
+                                 torch.tensor(self.offsets, dtype=torch.long), sum(self.counts), None, None,
+                                 self.prefills)
+        if self.tiles:
+            meta.seq_block_tables = _padded(self.tables, torch.int32)
+            meta.query_tiles = torch.tensor(self.tiles, dtype=torch.int32)
+            meta.max_tile_rows = max(t[2] for t in self.tiles)
+        elif self.tables:
+            tables = _padded(self.tables, torch.int64)
+            counts = torch.tensor(self.counts)
+            meta.decode_block_tables = tables if bool((counts == 1).all()) else tables.repeat_interleave(counts, 0)
+            meta.decode_lens = torch.tensor(self.lens, dtype=torch.long)
+        return meta
+
+
+def _padded(tables: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+    """Block tables as one [len(tables), longest] tensor, padded with page 0."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=dtype)
+
+
+def chunk_mask(start: int, n: int) -> torch.Tensor | None:
+    """Queries at positions [start, start+n) over keys [0, start+n): key j visible to query i iff
+    j <= start + i. None when start == 0 (plain causal)."""
+    if start == 0:
+        return None
+    q = torch.arange(start, start + n)[:, None]
+    k = torch.arange(start + n)[None, :]
+    return k <= q
 
 
 def query_tiles(first_row: int, seq: int, start: int, n: int, tile_rows: int) -> list[tuple[int, int, int, int]]:

@@ -1,7 +1,8 @@
-"""ctypes binding of the C paged decode attention (paged_decode_attention.c).
+"""ctypes bindings of the C paged attention kernels: tiles of query rows over K stored keys-last
+(paged_tiled_attention.c), and every row alone over the paired layout (paired_attention.c, AVX512-BF16).
 
-`supports(dtype)` is False when the library cannot be built here (no compiler) or is disabled with
-LORAPLEX_CPU_KERNELS=0; callers then use the torch path.
+`tiled_supports` / `paired_supported` are False when a library cannot be built here (no compiler) or is
+disabled with LORAPLEX_CPU_KERNELS=0; callers then use the torch path.
 """
 from __future__ import annotations
 
@@ -12,56 +13,76 @@ import torch
 from kernels.cpu.build import has_avx512_bf16, load_functions
 
 _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_ARGS = [_P, _P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _F]
-_FNS: dict | None | bool = False   # False until first use
+MAX_HEADS, MAX_HEAD_DIM = 128, 256   # as compiled into paged_tiled_attention.c
 
 
-def _fns():
-    global _FNS
-    if _FNS is False:
-        _FNS = load_functions("paged_decode_attention", {torch.bfloat16: "paged_decode_attention_bf16",
-                                                         torch.float32: "paged_decode_attention_f32"}, _ARGS)
-    return _FNS
+# --- tiles of query rows (paged_tiled_attention.c): the row layout, every token a row -------------------
+
+_TILED_ARGS = [_P, _P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _F]
+_TILED: dict | None | bool = False
+TILE_ROWS = 8     # rows of one request a tile takes: a K/V block is widened once for them (more, fewer tasks)
+MAX_BLOCK = 256   # as compiled into paged_tiled_attention.c
 
 
-MAX_HEADS, MAX_HEAD_DIM = 128, 256   # as compiled into paged_decode_attention.c
+def _tiled_fns():
+    global _TILED
+    if _TILED is False:
+        _TILED = load_functions("paged_tiled_attention", {torch.bfloat16: "paged_tiled_attention_bf16",
+                                                          torch.float32: "paged_tiled_attention_f32"}, _TILED_ARGS)
+    return _TILED
 
 
-def fits(num_heads: int, head_dim: int) -> bool:
-    """Whether a model's attention shape is within what the kernel was compiled for."""
-    return num_heads <= MAX_HEADS and head_dim <= MAX_HEAD_DIM
+def tiled_supports(dtype: torch.dtype, num_heads: int, head_dim: int) -> bool:
+    """Whether the tiled kernel runs here for this dtype and shape (block_size <= MAX_BLOCK too)."""
+    fns = _tiled_fns()
+    return fns is not None and dtype in fns and num_heads <= MAX_HEADS and head_dim <= MAX_HEAD_DIM
 
 
-def supports(dtype: torch.dtype) -> bool:
-    fns = _fns()
-    return fns is not None and dtype in fns
+def keys_last_views(storage: torch.Tensor, num_layers: int, block_size: int, kv_heads: int, head_dim: int):
+    """Per layer (K, V) views of the page pool [num_pages, page_elems] for tiled_attention: K keys-last
+    [num_pages, kv_heads, head_dim, block_size] (a key's dims one block apart, so that the scores of a
+    query against a block's keys are block-wide vector FMAs), V in rows [num_pages, block_size, kv_heads,
+    head_dim] (a page holds [layers, 2, block] as in the row layout; only the order inside a block differs)."""
+    n = storage.shape[0]
+    paged = storage.view(n, num_layers, 2, block_size * kv_heads * head_dim)
+    return [(paged[:, i, 0].view(n, kv_heads, head_dim, block_size),
+             paged[:, i, 1].view(n, block_size, kv_heads, head_dim)) for i in range(num_layers)]
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q: [D, H, d]; k_cache, v_cache: [num_pages, block_size, kv_heads, d] views sharing one page stride
-    (rows inside a page contiguous); block_tables: [D, max_blocks] int64; lens: [D] int64 (each >= 1 and
-    <= max_blocks * block_size) -> out [D, H, d]. Requires supports(q.dtype)."""
-    d_, h, d = q.shape
-    _, bs, kvh, hd = k_cache.shape
-    page_stride = k_cache.stride(0)
-    assert hd == d and v_cache.shape == k_cache.shape and v_cache.stride() == k_cache.stride()
-    assert k_cache.stride()[1:] == (kvh * d, d, 1), "K/V rows of a page must be contiguous"
-    assert q.dtype == k_cache.dtype == v_cache.dtype
+def write_kv_keys_last(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       pages: torch.Tensor, offsets: torch.Tensor) -> None:
+    """k, v: [T, kv_heads, head_dim] -> token t's slot (pages[t], offsets[t]) of keys_last_views."""
+    k_cache[pages, :, :, offsets] = k
+    v_cache[pages, offsets] = v
+
+
+def tiled_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    tiles: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [R, H, d]; k_cache [num_pages, kv_heads, d, block_size], v_cache [num_pages, block_size, kv_heads,
+    d]: keys_last_views (one page stride); block_tables: [S, max_blocks] int32 pages of each request;
+    tiles: [N, 4] int32 (request, first row, rows, first row's length), covering every row once
+    (kernels/attention_metadata.py) -> out [R, H, d]."""
+    r, h, d = q.shape
+    n, kvh, hd, bs = k_cache.shape
+    assert hd == d and v_cache.shape == (n, bs, kvh, d) and v_cache.stride(0) == k_cache.stride(0)
+    assert k_cache[0].is_contiguous() and v_cache[0].is_contiguous(), "K/V blocks must be keys_last_views"
+    assert q.dtype == k_cache.dtype == v_cache.dtype and h <= MAX_HEADS
     q = q.contiguous()
-    block_tables = block_tables.to(torch.int64).contiguous()
-    lens = lens.to(torch.int64).contiguous()
-    assert block_tables.shape[0] == lens.shape[0] == d_
+    block_tables = block_tables.to(torch.int32).contiguous()
+    tiles = tiles.to(torch.int32).contiguous()
     out = torch.empty_like(q)
-    rc = _fns()[q.dtype](q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), page_stride,
-                         block_tables.data_ptr(), block_tables.shape[1], lens.data_ptr(), d_, h, kvh, d, bs, scale)
+    rc = _tiled_fns()[q.dtype](q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
+                               block_tables.data_ptr(), block_tables.shape[1], tiles.data_ptr(), tiles.shape[0], h,
+                               kvh, d, bs, scale)
     if rc != 0:
-        raise RuntimeError(f"paged_decode_attention failed with code {rc} (heads {h}, kv heads {kvh}, dim {d})")
+        raise RuntimeError(f"paged_tiled_attention failed with code {rc} (heads {h}, kv heads {kvh}, dim {d})")
     return out
 
 
 # --- the paired block layout (paired_attention.c): bf16 K/V stored as vdpbf16ps consumes them ----------
 
+# q, q stride, out, k, v, page stride, tables, max blocks, lens, rows, heads, kv heads, dim, block, scale
+_PAIRED_ARGS = [_P, _I64, _P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _F]
 _WRITE_ARGS = [_P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _I64, _I, _I, _I]
 _PAIRED: dict | None | bool = False
 
@@ -71,7 +92,7 @@ def _paired_fns():
     if _PAIRED is False:
         _PAIRED = None
         if has_avx512_bf16():
-            attn = load_functions("paired_attention", {0: "paired_attention_bf16"}, [_P, _I64, *_ARGS[1:]])
+            attn = load_functions("paired_attention", {0: "paired_attention_bf16"}, _PAIRED_ARGS)
             write = load_functions("paired_attention", {0: "write_kv_paired_bf16"}, _WRITE_ARGS)
             if attn is not None and write is not None:
                 _PAIRED = {"attention": attn[0], "write": write[0]}

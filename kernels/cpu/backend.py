@@ -28,8 +28,8 @@ class CpuBackend(TorchBackend):
     def __init__(self, shape: ModelShape, device: torch.device | str = "cpu"):
         super().__init__(shape, device)
         self.fused_ops = elementwise.supports(self.dtype)
-        # every token one query row of the C kernel; else SDPA over gathered blocks
-        self.c_attention = c_attention.supports(self.dtype) and c_attention.fits(shape.num_heads, shape.head_dim)
+        # every token one query row of a C kernel; else SDPA over gathered blocks
+        self.c_attention = c_attention.tiled_supports(self.dtype, shape.num_heads, shape.head_dim)
         self.paired_kv = False          # set by kv_caches: bf16 K/V in the pairs vdpbf16ps reads
 
     @staticmethod
@@ -39,14 +39,22 @@ class CpuBackend(TorchBackend):
 
     # -- memory layout ---------------------------------------------------------------------------------
     def kv_caches(self, storage, num_layers, block_size, kv_heads, head_dim) -> list[KVCache]:
+        self.c_attention = self.c_attention and block_size <= c_attention.MAX_BLOCK
         self.paired_kv = self.c_attention and c_attention.paired_supported(self.dtype, head_dim, block_size)
         if self.paired_kv:
             return c_attention.paired_views(storage, num_layers, block_size, kv_heads, head_dim)
+        if self.c_attention:
+            return c_attention.keys_last_views(storage, num_layers, block_size, kv_heads, head_dim)
         return super().kv_caches(storage, num_layers, block_size, kv_heads, head_dim)
 
     @property
     def every_token_a_row(self) -> bool:
         return self.c_attention
+
+    @property
+    def query_tile_rows(self) -> int:
+        """Rows in tiles for the row layout's kernel; the paired kernel takes rows one by one."""
+        return c_attention.TILE_ROWS if self.c_attention and not self.paired_kv else 0
 
     # -- the base model --------------------------------------------------------------------------------
     def linear(self, weight: torch.Tensor) -> CpuLinear:
@@ -70,6 +78,8 @@ class CpuBackend(TorchBackend):
     def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
         if self.paired_kv:
             c_attention.write_kv_paired(k_cache, v_cache, k, v, meta.slot_page, meta.slot_offset)
+        elif self.c_attention:
+            c_attention.write_kv_keys_last(k_cache, v_cache, k, v, meta.slot_page, meta.slot_offset)
         elif self.fused_ops:
             elementwise.write_kv(k_cache, v_cache, k, v, meta.slot_page, meta.slot_offset)
         else:
@@ -78,9 +88,11 @@ class CpuBackend(TorchBackend):
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
         if not self.c_attention:
             return super().attention(q, k_cache, v_cache, meta, scale)
-        assert not meta.prefills and meta.num_decode == q.shape[0], "the C kernel takes every token as a row"
-        kernel = c_attention.paired_attention if self.paired_kv else c_attention.decode_attention
-        return kernel(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, scale)
+        assert not meta.prefills and meta.num_decode == q.shape[0], "the C kernels take every token as a row"
+        if self.paired_kv:
+            return c_attention.paired_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,
+                                                scale)
+        return c_attention.tiled_attention(q, k_cache, v_cache, meta.seq_block_tables, meta.query_tiles, scale)
 
     # -- multi-LoRA ------------------------------------------------------------------------------------
     def lora_slots(self, num_slots: int, max_rank: int, shape: ModelShape, storage: torch.Tensor) -> CpuLoraSlots:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention_metadata import AttentionMetadata, PrefillSeq, query_tiles
+from kernels.attention_metadata import AttentionMetadata, MetadataBuilder
 from kernels.lora_layout import ModuleSlice, PackedLayout
 from tests.kernels.backends import DEVICE, SHAPE, TOL, available_backends, backend
 
@@ -48,47 +48,13 @@ def test_elementwise(name, dtype):
     assert torch.equal(b.argmax(logits), ref.argmax(logits))
 
 
-def _chunk_mask(start: int, n: int) -> torch.Tensor | None:
-    if start == 0:
-        return None
-    return torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
-
-
 def make_meta(seqs, tables, bs, b) -> AttentionMetadata:
     """seqs: (computed tokens, new tokens) per request, decodes (1 new token) first; tables: their pages;
     b: the backend (its every_token_a_row and query_tile_rows)."""
-    pages, offs, dec_tables, counts, dec_lens, prefills, q, tiles = [], [], [], [], [], [], 0, []
-    for seq, ((start, n), table) in enumerate(zip(seqs, tables)):
-        end = start + n
-        pages += [table[p // bs] for p in range(start, end)]
-        offs += [p % bs for p in range(start, end)]
-        used = table[: -(-end // bs)]
-        tiles += query_tiles(q, seq, start, n, b.query_tile_rows) if b.query_tile_rows else []
-        if n == 1 or b.every_token_a_row:
-            dec_tables.append(used)
-            counts.append(n)
-            dec_lens += range(start + 1, end + 1)
-        else:
-            prefills.append(PrefillSeq(q, q + n, end, torch.tensor(used), _chunk_mask(start, n)))
-        q += n
-    def dev(x):
-        return torch.tensor(x, device=DEVICE)
-    for p in prefills:
-        p.block_table = p.block_table.to(DEVICE)
-        p.mask = None if p.mask is None else p.mask.to(DEVICE)
-    meta = AttentionMetadata(dev(pages), dev(offs), len(dec_lens), None, None, prefills)
-    if tiles:
-        width = max(len(t) for t in tables)
-        meta.seq_block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
-                                             device=DEVICE)
-        meta.query_tiles = torch.tensor(tiles, dtype=torch.int32, device=DEVICE)
-        meta.max_tile_rows = max(t[2] for t in tiles)
-    elif dec_tables:
-        width = max(len(t) for t in dec_tables)
-        padded = dev([t + [0] * (width - len(t)) for t in dec_tables])
-        meta.decode_block_tables = padded.repeat_interleave(dev(counts), 0)
-        meta.decode_lens = dev(dec_lens)
-    return meta
+    builder = MetadataBuilder(bs, b.every_token_a_row, b.query_tile_rows)
+    for (start, n), table in zip(seqs, tables):
+        builder.add(table, start, n)
+    return builder.build().to(DEVICE)
 
 
 def run_attention(b, dtype, steps, tables, bs=16, pages=24, layers=2):

@@ -5,31 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention_metadata import query_tiles
 from kernels.triton.paged_attention import paged_attention, tile_rows
 from tests.kernels.backends import on_device
-from tests.kernels.cpu.test_attention import make_cache, reference
+from tests.kernels.cpu.test_attention import make_cache, random_rows, reference
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 def random_step(dtype, heads, kv_heads, d, bs, chunks, rows_per_tile, num_pages=96, seed=0):
-    """chunks: (tokens already computed, new tokens) per request. -> the kernel's arguments and, for the
-    reference, every row's own table and length."""
+    """-> (the kernel's arguments, the reference's arguments) for a step of these chunks (random_rows)."""
     g = torch.Generator().manual_seed(seed)
     k_cache, v_cache = make_cache(num_pages, 3, bs, kv_heads, d, dtype, layer=1, seed=seed)
-    width = max(-(-(s + n) // bs) for s, n in chunks)
-    tables = torch.randperm(num_pages, generator=g)[: width * len(chunks)].view(len(chunks), width)
-    tiles, row = [], 0
-    for seq, (start, n) in enumerate(chunks):
-        tiles += query_tiles(row, seq, start, n, rows_per_tile)
-        row += n
-    q = torch.randn(row, heads, d, generator=g).to(dtype)
-    row_tables = torch.cat([tables[s].expand(n, -1) for s, (_, n) in enumerate(chunks)])
-    row_lens = torch.cat([torch.arange(start + 1, start + n + 1) for start, n in chunks])
-    tiles_t = torch.tensor(tiles, dtype=torch.int32)
-    args = (q, k_cache, v_cache, tables.to(torch.int32), tiles_t, max(t[2] for t in tiles))
-    return args, (q, k_cache, v_cache, row_tables, row_lens)
+    q, tables, tiles, max_rows, row_tables, row_lens = random_rows(chunks, heads, d, bs, dtype, rows_per_tile,
+                                                                   num_pages, g)
+    return (q, k_cache, v_cache, tables, tiles, max_rows), (q, k_cache, v_cache, row_tables, row_lens)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
