@@ -5,6 +5,7 @@ Scenarios (the default model's attention shape: 9 query heads, 3 KV heads, head_
   decode   64 requests decoding at a context of 1,024
   prefill  4 prompts of 512 tokens, whole
   mixed    32 decodes at 1,024 and a 256-token chunk of a prompt at offset 768
+  long     one request decoding at a context of 8,192
 Each scenario writes every context token's K/V through each backend (random, seeded: both caches hold
 the same values), checks the two outputs agree, then times one step's attention over --layers layers
 (each its own cache), the two sides alternated --repeats times; prints the best of each and the ratio.
@@ -23,7 +24,8 @@ from kernels.attention_metadata import AttentionMetadata, MetadataBuilder
 from kernels.backend import Backend
 from kernels.selector import resolve_device, select_backend
 
-SCENARIOS = {"decode": [(1024, 1)] * 64, "prefill": [(0, 512)] * 4, "mixed": [(1024, 1)] * 32 + [(768, 256)]}
+SCENARIOS = {"decode": [(1024, 1)] * 64, "prefill": [(0, 512)] * 4, "mixed": [(1024, 1)] * 32 + [(768, 256)],
+             "long": [(8192, 1)]}
 
 
 def default_shape(dtype: torch.dtype) -> ModelConfig:

@@ -38,6 +38,7 @@ class AttentionMetadata:
     seq_block_tables: torch.Tensor | None = None  # [S, max_blocks] int32 each request's pages (padded with 0)
     query_tiles: torch.Tensor | None = None       # [N, 4] int32 (request, first row, rows, first row's length)
     max_tile_rows: int = 0                        # the most rows of any tile
+    max_context: int = 0                          # the longest row's length (tokens attended to)
 
     def to(self, device: torch.device) -> "AttentionMetadata":
         """Moves every tensor to `device` in place (non-blocking copies from the host); returns self."""
@@ -91,6 +92,7 @@ class MetadataBuilder:
             meta.seq_block_tables = _padded(self.tables, torch.int32)
             meta.query_tiles = torch.tensor(self.tiles, dtype=torch.int32)
             meta.max_tile_rows = max(t[2] for t in self.tiles)
+            meta.max_context = max(t[2] + t[3] - 1 for t in self.tiles)
         elif self.tables:
             tables = _padded(self.tables, torch.int64)
             counts = torch.tensor(self.counts)

@@ -18,10 +18,12 @@ MAX_HEADS, MAX_HEAD_DIM = 128, 256   # as compiled into paged_tiled_attention.c
 
 # --- tiles of query rows (paged_tiled_attention.c): the row layout, every token a row -------------------
 
-_TILED_ARGS = [_P, _P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _F]
+_TILED_ARGS = [_P, _P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _F, _I]
 _TILED: dict | None | bool = False
 TILE_ROWS = 8     # rows of one request a tile takes: a K/V block is widened once for them (more, fewer tasks)
 MAX_BLOCK = 256   # as compiled into paged_tiled_attention.c
+SPLIT_KEYS = 512  # a row's keys are taken this many at a time, by separate tasks, then merged: one long
+                  # context runs on every core; the split points depend on the row's length alone
 
 
 def _tiled_fns():
@@ -73,7 +75,7 @@ def tiled_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     rc = _tiled_fns()[q.dtype](q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
                                block_tables.data_ptr(), block_tables.shape[1], tiles.data_ptr(), tiles.shape[0], h,
-                               kvh, d, bs, scale)
+                               kvh, d, bs, scale, max(1, SPLIT_KEYS // bs))
     if rc != 0:
         raise RuntimeError(f"paged_tiled_attention failed with code {rc} (heads {h}, kv heads {kvh}, dim {d})")
     return out

@@ -30,6 +30,7 @@
 #define MAX_HEADS 128
 #define MAX_DIM 256
 #define MAX_BLOCK 256
+#define MAX_SPLITS 1024   /* splits of one row's keys: 1,024 x split_blocks x block_size tokens */
 
 typedef float v8 __attribute__((vector_size(32)));
 
@@ -73,13 +74,21 @@ static inline void pv_4x16(float *const acc[4], const float *const p[4], const f
     for (int r = 0; r < 4; r++) { store8(acc[r], a[r][0]); store8(acc[r] + 8, a[r][1]); }
 }
 
-/* One tile in fp32: qf [n, H, d] scaled queries; kf, vf: widening buffers; score [n, H, L]; acc [n, H, d]. */
+/* One tile over one split of its keys, [k0, k0 + L), in fp32: qf [n, H, d] scaled queries; kt, vf:
+ * widening buffers; score [n, H, L]; out: acc [n, H, d] (unnormalised), mx and sum [n, H] (each query's
+ * max score in the split and its sum of exp(score - max)). Row i attends to keys [0, l0 + i). */
 typedef struct {
     const float *qf;
-    float *acc, *score, *kt, *vf;
+    float *acc, *mx, *sum, *score, *kt, *vf;
     int n, H, KVH, d, bs;
-    int64_t l0, L;
+    int64_t l0, k0, L;
 } Tile;
+
+/* how many of the split's keys row i attends to */
+static inline int64_t local_len(const Tile *T, int i) {
+    const int64_t len = T->l0 + i - T->k0;
+    return len < 0 ? 0 : len > T->L ? T->L : len;
+}
 
 /* the query vectors of KV head h, 4 at a time (the last group padded with its first, results unused) */
 static inline int group(const Tile *T, int h, int first, int idx[4]) {
@@ -133,19 +142,36 @@ static void block_pv(const Tile *T, int64_t b, int nb) {
         }
 }
 
-/* scores -> probabilities over each row's own length; 0 past it (up to L) */
+/* scores -> exp(score - the row's max in the split) over the row's keys in the split; 0 past them */
 static void softmax_rows(const Tile *T) {
     for (int i = 0; i < T->n; i++) {
-        const int64_t len = T->l0 + i;
+        const int64_t len = local_len(T, i);
         for (int j = 0; j < T->H; j++) {
-            float *s = T->score + ((int64_t)i * T->H + j) * T->L, m = -FLT_MAX, total = 0.f;
+            const int64_t q = (int64_t)i * T->H + j;
+            float *s = T->score + q * T->L, m = -FLT_MAX, total = 0.f;
             for (int64_t t = 0; t < len; t++) m = s[t] > m ? s[t] : m;
             for (int64_t t = 0; t < len; t++) { s[t] = expf(s[t] - m); total += s[t]; }
-            const float inv = 1.f / total;
-            for (int64_t t = 0; t < len; t++) s[t] *= inv;
             for (int64_t t = len; t < T->L; t++) s[t] = 0.f;
+            T->mx[q] = m;
+            T->sum[q] = total;
         }
     }
+}
+
+/* row i of a tile from its splits' partials (part[s] for split s, the tile's n rows each): out = the
+ * sum over the row's splits of acc_s exp(mx_s - M) over the same sum of sum_s exp(mx_s - M), in split
+ * order; one split gives acc_0 / sum_0. A row's splits depend on its length alone. */
+static void merge_row(float *const *acc, float *const *mx, float *const *sum, int nsplit, int64_t q, int d,
+                      float *out) {
+    float m = -FLT_MAX, total = 0.f;
+    for (int s = 0; s < nsplit; s++) m = mx[s][q] > m ? mx[s][q] : m;
+    for (int x = 0; x < d; x++) out[x] = 0.f;
+    for (int s = 0; s < nsplit; s++) {
+        const float w = expf(mx[s][q] - m);
+        total += sum[s][q] * w;
+        for (int x = 0; x < d; x++) out[x] += acc[s][q * d + x] * w;
+    }
+    for (int x = 0; x < d; x++) out[x] /= total;
 }
 
 /* the plain loops (d not a multiple of 16): same results up to rounding, no blocking */
@@ -175,52 +201,94 @@ static void plain_block_pv(const Tile *T, int64_t b, int nb) {
         }
 }
 
+/* A split of a tile: its partials live at part + offset (acc [n, H, d], then mx and sum [n, H]). */
+typedef struct { int tile, split; int64_t offset; } Task;
+
 #define DEFINE_TILED(NAME, TYPE, LOAD, STORE)                                                                 \
-static int NAME##_tile(const TYPE *q, TYPE *out, const TYPE *k, const TYPE *v, int64_t page_stride,          \
-                       const int32_t *table, int r0, int n, int l0, int H, int KVH, int d, int bs, float scale) {\
+static int NAME##_split(const TYPE *q, const TYPE *k, const TYPE *v, int64_t page_stride, const int32_t *table,\
+                        int r0, int n, int l0, int64_t k0, int64_t span, int H, int KVH, int d, int bs,       \
+                        float scale, float *part) {                                                           \
     const int row = KVH * d, blocked = d % 16 == 0;                                                           \
-    const int64_t L = (int64_t)l0 + n - 1, nblocks = (L + bs - 1) / bs, hd = (int64_t)H * d;                 \
-    const int64_t ks = (int64_t)((bs + 15) / 16) * 16;                                                        \
-    float *buf = (float *)malloc(sizeof(float) * (2 * n * hd + (int64_t)n * H * L + (int64_t)row * ks + (int64_t)row * bs)); \
+    const int64_t nblocks = (span + bs - 1) / bs, hd = (int64_t)H * d, ks = (int64_t)((bs + 15) / 16) * 16;  \
+    float *buf = (float *)malloc(sizeof(float) * (n * hd + (int64_t)n * H * span + (int64_t)row * (ks + bs)));\
     if (!buf) return 1;                                                                                       \
-    Tile T = {buf, buf + n * hd, buf + 2 * n * hd, buf + 2 * n * hd + (int64_t)n * H * L,                     \
-              buf + 2 * n * hd + (int64_t)n * H * L + (int64_t)row * ks, n, H, KVH, d, bs, l0, L};            \
+    Tile T = {buf, part, part + n * hd, part + n * hd + (int64_t)n * H, buf + n * hd,                          \
+              buf + n * hd + (int64_t)n * H * span, buf + n * hd + (int64_t)n * H * span + (int64_t)row * ks,  \
+              n, H, KVH, d, bs, l0, k0, span};                                                                \
     for (int64_t e = 0; e < n * hd; e++) { buf[e] = LOAD(q[(int64_t)r0 * hd + e]) * scale; T.acc[e] = 0.f; }  \
     for (int64_t b = 0; b < nblocks; b++) {                                                                   \
-        const TYPE *kb = k + (int64_t)table[b] * page_stride;                                                 \
-        const int nb = (int)(L - b * bs < bs ? L - b * bs : bs), kc = (int)(((nb + 15) / 16) * 16);           \
-        const int64_t kst = kc;                                                                               \
+        const TYPE *kb = k + (int64_t)table[k0 / bs + b] * page_stride;                                       \
+        const int nb = (int)(span - b * bs < bs ? span - b * bs : bs), kc = (nb + 15) / 16 * 16;             \
         for (int e = 0; e < row; e++) {                                                                       \
-            const TYPE *src = kb + (int64_t)e * bs;                                                           \
-            float *dst = T.kt + (int64_t)e * kst;                                                             \
-            for (int t = 0; t < nb; t++) dst[t] = LOAD(src[t]);                                               \
+            float *dst = T.kt + (int64_t)e * kc;                                                              \
+            for (int t = 0; t < nb; t++) dst[t] = LOAD(kb[(int64_t)e * bs + t]);                              \
             for (int t = nb; t < kc; t++) dst[t] = 0.f;                                                       \
         }                                                                                                     \
         if (blocked) block_scores(&T, b, nb); else plain_block_scores(&T, b, nb);                             \
     }                                                                                                         \
     softmax_rows(&T);                                                                                         \
     for (int64_t b = 0; b < nblocks; b++) {                                                                   \
-        const TYPE *vb = v + (int64_t)table[b] * page_stride;                                                 \
-        const int nb = (int)(L - b * bs < bs ? L - b * bs : bs);                                              \
+        const TYPE *vb = v + (int64_t)table[k0 / bs + b] * page_stride;                                       \
+        const int nb = (int)(span - b * bs < bs ? span - b * bs : bs);                                        \
         for (int64_t e = 0; e < (int64_t)nb * row; e++) T.vf[e] = LOAD(vb[e]);                                \
         if (blocked) block_pv(&T, b, nb); else plain_block_pv(&T, b, nb);                                     \
     }                                                                                                         \
-    for (int64_t e = 0; e < n * hd; e++) out[(int64_t)r0 * hd + e] = STORE(T.acc[e]);                        \
     free(buf);                                                                                                \
     return 0;                                                                                                 \
 }                                                                                                             \
                                                                                                               \
 int NAME(const TYPE *q, TYPE *out, const TYPE *k, const TYPE *v, int64_t page_stride, const int32_t *tables, \
-         int64_t max_blocks, const int32_t *tiles, int num_tiles, int H, int KVH, int d, int bs, float scale) {\
-    if (H > MAX_HEADS || d > MAX_DIM || bs > MAX_BLOCK || H % KVH) return -1;                                 \
+         int64_t max_blocks, const int32_t *tiles, int num_tiles, int H, int KVH, int d, int bs, float scale,  \
+         int split_blocks) {                                                                                  \
+    if (H > MAX_HEADS || d > MAX_DIM || bs > MAX_BLOCK || H % KVH || split_blocks < 1) return -1;             \
+    const int64_t S = (int64_t)split_blocks * bs, hd = (int64_t)H * d;                                       \
+    int64_t ntasks = 0, words = 0;                                                                            \
+    for (int i = 0; i < num_tiles; i++) ntasks += ((int64_t)tiles[4 * i + 3] + tiles[4 * i + 2] - 1 + S - 1) / S; \
+    Task *tasks = (Task *)malloc(sizeof(Task) * (ntasks + 1));                                                \
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (num_tiles + 1));                                   \
+    if (!tasks || !first) { free(tasks); free(first); return -2; }                                           \
+    for (int i = 0, t = 0; i < num_tiles; i++) {                                                              \
+        const int n = tiles[4 * i + 2];                                                                       \
+        const int64_t L = (int64_t)tiles[4 * i + 3] + n - 1;                                                 \
+        first[i] = t;                                                                                         \
+        for (int64_t s = 0; s * S < L; s++, t++) {                                                            \
+            tasks[t] = (Task){i, (int)s, words};                                                              \
+            words += n * (hd + 2 * H);                                                                        \
+        }                                                                                                     \
+    }                                                                                                         \
+    first[num_tiles] = ntasks;                                                                                \
+    float *part = (float *)malloc(sizeof(float) * (words + 1));                                               \
+    if (!part) { free(tasks); free(first); return -2; }                                                       \
     int failed = 0;                                                                                           \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                                          \
-    for (int i = 0; i < num_tiles; i++) {                                                                     \
-        const int32_t *tile = tiles + 4 * (int64_t)i;                                                         \
-        if (NAME##_tile(q, out, k, v, page_stride, tables + (int64_t)tile[0] * max_blocks, tile[1], tile[2],  \
-                        tile[3], H, KVH, d, bs, scale))                                                       \
+    for (int64_t t = 0; t < ntasks; t++) {                                                                    \
+        const int32_t *tile = tiles + 4 * (int64_t)tasks[t].tile;                                             \
+        const int64_t L = (int64_t)tile[3] + tile[2] - 1, k0 = (int64_t)tasks[t].split * S;                  \
+        if (NAME##_split(q, k, v, page_stride, tables + (int64_t)tile[0] * max_blocks, tile[1], tile[2], tile[3], \
+                         k0, L - k0 < S ? L - k0 : S, H, KVH, d, bs, scale, part + tasks[t].offset))          \
             failed = 1;                                                                                       \
     }                                                                                                         \
+    if (!failed) {                                                                                            \
+        _Pragma("omp parallel for schedule(dynamic, 1)")                                                      \
+        for (int i = 0; i < num_tiles; i++) {                                                                 \
+            const int n = tiles[4 * i + 2], r0 = tiles[4 * i + 1];                                            \
+            float *acc[MAX_SPLITS], *mx[MAX_SPLITS], *sum[MAX_SPLITS], row_out[MAX_DIM];                      \
+            for (int j = 0; j < n; j++) {                                                                     \
+                const int64_t len = (int64_t)tiles[4 * i + 3] + j;                                           \
+                const int nsplit = (int)((len + S - 1) / S);                                                  \
+                for (int s = 0; s < nsplit && s < MAX_SPLITS; s++) {                                          \
+                    float *base = part + tasks[first[i] + s].offset;                                          \
+                    acc[s] = base; mx[s] = base + n * hd; sum[s] = base + n * hd + (int64_t)n * H;            \
+                }                                                                                             \
+                if (nsplit > MAX_SPLITS) { failed = 1; continue; }                                            \
+                for (int h = 0; h < H; h++) {                                                                 \
+                    merge_row(acc, mx, sum, nsplit, (int64_t)j * H + h, d, row_out);                          \
+                    for (int x = 0; x < d; x++) out[((int64_t)r0 + j) * hd + (int64_t)h * d + x] = STORE(row_out[x]); \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+    }                                                                                                         \
+    free(part); free(tasks); free(first);                                                                     \
     return failed ? -2 : 0;                                                                                   \
 }
 

@@ -131,11 +131,12 @@ def record_step(shape: Shape, dtype: torch.dtype, max_rank: int) -> set[Launch]:
         paged = pool.view(2, shape.layers, 2, shape.block_size, shape.kv_heads, shape.head_dim)
         rows = paged_attention.tile_rows(shape.heads, shape.kv_heads, shape.head_dim, dtype)
         tiles = torch.tensor([[0, 0, rows, 1], [1, rows, 1, 1]], dtype=torch.int32)
-        for max_rows in (1, rows):                                  # a decode-only step, a step with a prefill
+        for max_rows, max_len in ((1, 1), (rows, 1), (1, 4 * paged_attention.SPLIT_KEYS)):
+            # a decode-only step, a step with a prefill, a long decode split over programs
             paged_attention.paged_attention(torch.zeros(rows + 1, shape.heads, shape.head_dim, dtype=dtype),
                                             paged[:, 0, 0], paged[:, 0, 1], table[:2, :2].to(torch.int32),
                                             tiles[1:] if max_rows == 1 else tiles, max_rows,
-                                            shape.head_dim ** -0.5)
+                                            shape.head_dim ** -0.5, max_len)
     return launches
 
 
@@ -165,7 +166,7 @@ def compile_all(launches: set[Launch], targets=TARGETS, out=sys.stdout) -> list[
     failures = []
     for launch in sorted(launches, key=lambda x: (x.name, x.signature, str(x.constexprs))):
         types = dict(launch.signature)
-        dtype = types.get("pool_ptr", types.get("q_ptr", "?"))
+        dtype = next((types[p] for p in ("pool_ptr", "q_ptr", "o_ptr") if p in types), "?")
         for name, capability, shared_limit in targets:
             what = f"{launch.name} {dtype} {dict(launch.constexprs + launch.options)} {name}"
             start = time.perf_counter()

@@ -31,12 +31,14 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _paged_attention_kernel(q_ptr, o_ptr, k_ptr, v_ptr, table_ptr, tiles_ptr, page_stride, tok_stride,
-                            table_stride, scale_log2, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
+def _paged_attention_kernel(q_ptr, o_ptr, k_ptr, v_ptr, table_ptr, tiles_ptr, part_ptr, page_stride, tok_stride,
+                            table_stride, scale_log2, rows, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
                             D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+                            BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
+                            SPLIT_KEYS: tl.constexpr, PARTIALS: tl.constexpr):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     seq = tl.load(tiles_ptr + tile * 4)
     r0 = tl.load(tiles_ptr + tile * 4 + 1)
     n = tl.load(tiles_ptr + tile * 4 + 2)
@@ -55,7 +57,15 @@ def _paged_attention_kernel(q_ptr, o_ptr, k_ptr, v_ptr, table_ptr, tiles_ptr, pa
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, DP), tl.float32)
-    for start in range(0, l0 + n - 1, BLOCK_N):
+    if PARTIALS:                                    # this program's keys: [k_lo, k_hi)
+        k_lo = split * SPLIT_KEYS
+        k_hi = tl.minimum(k_lo + SPLIT_KEYS, l0 + n - 1)
+        row_end = tl.minimum(row_len, k_hi)         # each row's last key here, + 1
+    else:
+        k_lo = 0
+        k_hi = l0 + n - 1
+        row_end = row_len
+    for start in range(k_lo, k_hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < l0 + n - 1
         page = tl.load(table_ptr + seq * table_stride + keys // BS, mask=key_ok, other=0).to(tl.int64)
@@ -72,16 +82,53 @@ def _paged_attention_kernel(q_ptr, o_ptr, k_ptr, v_ptr, table_ptr, tiles_ptr, pa
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, kt, input_precision=PRECISION) * scale_log2                     # [BLOCK_M, BLOCK_N]
-        s = tl.where(keys[None, :] < row_len[:, None], s, float("-inf"))
+        s = tl.where(keys[None, :] < row_end[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        if PARTIALS:        # a row may have no key in this split yet: p = 0, not NaN (one split: key 0 is)
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_sub = m_new
+        p = tl.exp2(s - m_sub[:, None])
+        alpha = tl.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(o_ptr + base + qi[:, None] * (H * D) + gi[:, None] * D + ds[None, :], out.to(o_ptr.dtype.element_ty),
-             mask=(qi < n)[:, None] & (gi < G)[:, None] & (ds[None, :] < D))
+    stored = (qi < n) & (gi < G)
+    if PARTIALS:            # this split's max (base 2), sum and unnormalised acc, per (row, head)
+        at = ((split * rows + r0 + qi) * H + kvh * G + gi).to(tl.int64)
+        tl.store(part_ptr + at * (DP + 2), m_i, mask=stored)
+        tl.store(part_ptr + at * (DP + 2) + 1, l_i, mask=stored)
+        tl.store(part_ptr + at[:, None] * (DP + 2) + 2 + ds[None, :], acc, mask=stored[:, None])
+    else:
+        out = acc / l_i[:, None]
+        tl.store(o_ptr + base + qi[:, None] * (H * D) + gi[:, None] * D + ds[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=stored[:, None] & (ds[None, :] < D))
+
+
+@triton.jit
+def _combine_splits_kernel(o_ptr, tiles_ptr, part_ptr, rows, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                           SPLIT_KEYS: tl.constexpr):
+    """out[row, head] from the partials of the splits the row has keys in (ceil(length / SPLIT_KEYS))."""
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    r0 = tl.load(tiles_ptr + tile * 4 + 1)
+    n = tl.load(tiles_ptr + tile * 4 + 2)
+    l0 = tl.load(tiles_ptr + tile * 4 + 3)
+    ds = tl.arange(0, DP)
+    for i in range(0, n):
+        splits = (l0 + i + SPLIT_KEYS - 1) // SPLIT_KEYS
+        m = tl.full((), float("-inf"), tl.float32)
+        for sp in range(0, splits):
+            m = tl.maximum(m, tl.load(part_ptr + ((sp * rows + r0 + i) * H + head).to(tl.int64) * (DP + 2)))
+        total = tl.zeros((), tl.float32)
+        acc = tl.zeros((DP,), tl.float32)
+        for sp in range(0, splits):
+            at = ((sp * rows + r0 + i) * H + head).to(tl.int64) * (DP + 2)
+            w = tl.exp2(tl.load(part_ptr + at) - m)
+            total += tl.load(part_ptr + at + 1) * w
+            acc += tl.load(part_ptr + at + 2 + ds) * w
+        tl.store(o_ptr + ((r0 + i).to(tl.int64) * H + head) * D + ds, (acc / total).to(o_ptr.dtype.element_ty),
+                 mask=ds < D)
 
 
 # NOTE: tile sizes are chosen from ptxas's figures for sm_80 / sm_89 / sm_90 (compile_check), no GPU timing.
@@ -89,6 +136,11 @@ TILE_M = 64       # query rows x heads of one program (a prefill tile's rows: TI
 BLOCK_N = 32      # keys a loop step
 NUM_WARPS = 8
 NUM_STAGES = 2
+# Split-K: a step with few programs (tiles x KV heads) and a long context splits each row's keys into
+# SPLIT_KEYS-key ranges, one program each, merged by a second kernel, so that one long decode uses more
+# than kv_heads SMs. Not tuned on a GPU: 1,024 keys a split, below 256 programs.
+SPLIT_KEYS = 1024
+FEW_PROGRAMS = 256
 
 
 def group_pad(heads: int, kv_heads: int) -> int:
@@ -104,9 +156,18 @@ def tile_rows(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> i
     return max(1, tile_m // group_pad(heads, kv_heads))
 
 
+def num_splits(num_tiles: int, kv_heads: int, max_len: int, split_keys: int = SPLIT_KEYS) -> int:
+    """How many key ranges a step's rows are split into (1: none)."""
+    if num_tiles * kv_heads >= FEW_PROGRAMS:
+        return 1
+    return max(1, -(-max_len // split_keys))
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    tiles: torch.Tensor, max_rows: int, scale: float) -> torch.Tensor:
-    """See the module docstring for shapes; max_rows: the most rows any tile has (sizes the program)."""
+                    tiles: torch.Tensor, max_rows: int, scale: float, max_len: int = 0,
+                    split_keys: int = SPLIT_KEYS) -> torch.Tensor:
+    """See the module docstring for shapes; max_rows: the most rows any tile has (sizes the program);
+    max_len: the longest row's length (0: unknown, no split); split_keys: keys a split (num_splits)."""
     rows, heads, d = q.shape
     _, bs, kvh, hd = k_cache.shape
     if hd != d or heads % kvh:
@@ -120,11 +181,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     gp = group_pad(heads, kvh)
     block_m = max(16, triton.next_power_of_2(max_rows) * gp)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"      # (tf32 only matters when widened)
-    _paged_attention_kernel[(tiles.shape[0], kvh)](
-        q, out, k_cache, v_cache, block_tables, tiles, k_cache.stride(0), kvh * d, block_tables.stride(0),
-        scale * LOG2E, H=heads, G=heads // kvh, GP=gp, D=d, DP=max(16, triton.next_power_of_2(d)), BS=bs,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, PRECISION=precision, WIDEN=_interpreting(), num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES)
+    dp = max(16, triton.next_power_of_2(d))
+    splits = num_splits(tiles.shape[0], kvh, max_len, split_keys)
+    part = torch.empty(splits * rows * heads * (dp + 2) if splits > 1 else 1, dtype=torch.float32, device=q.device)
+    _paged_attention_kernel[(tiles.shape[0], kvh, splits)](
+        q, out, k_cache, v_cache, block_tables, tiles, part, k_cache.stride(0), kvh * d, block_tables.stride(0),
+        scale * LOG2E, rows, H=heads, G=heads // kvh, GP=gp, D=d, DP=dp, BS=bs, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        PRECISION=precision, WIDEN=_interpreting(), SPLIT_KEYS=split_keys,
+        PARTIALS=splits > 1, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    if splits > 1:
+        _combine_splits_kernel[(tiles.shape[0], heads)](out, tiles, part, rows, H=heads, D=d, DP=dp,
+                                                        SPLIT_KEYS=split_keys)
     return out
 
 

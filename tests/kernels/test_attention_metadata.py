@@ -50,4 +50,4 @@ def test_a_tiling_backend_gets_tiles_over_one_table_per_request():
     assert not meta.prefills and meta.num_decode == 4 and meta.decode_block_tables is None
     assert meta.seq_block_tables.tolist() == [[7, 3], [9, 1]]
     assert meta.query_tiles.tolist() == [[0, 0, 1, 6], [1, 1, 2, 3], [1, 3, 1, 5]]
-    assert meta.max_tile_rows == 2
+    assert meta.max_tile_rows == 2 and meta.max_context == 6

@@ -41,11 +41,23 @@ def test_a_mixed_step_matches_reference(dtype, heads, kv_heads, d, bs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("d", [64, 40])
-def test_a_token_gets_the_same_bits_whatever_shares_its_tile(dtype, d):
+def test_long_contexts_split_across_tasks_match_reference(dtype):
+    """Rows longer than SPLIT_KEYS take their keys in several tasks, merged: decodes at 1,300 and 1,024
+    (an exact split boundary), a chunk whose rows cross one."""
+    keys = cpu_attention.SPLIT_KEYS
+    chunks = [(1300, 1), (2 * keys - 1, 1), (keys - 7, 12), (3, 1)]
+    args, ref_args = random_step(dtype, 9, 3, 64, 16, chunks, rows_per_tile=8, num_pages=400)
+    out = cpu_attention.tiled_attention(*args, 0.125)
+    torch.testing.assert_close(out.float(), reference(*ref_args, 0.125), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d,start", [(64, 13), (40, 13), (64, cpu_attention.SPLIT_KEYS - 9)])
+def test_a_token_gets_the_same_bits_whatever_shares_its_tile(dtype, d, start):
     """A prefill chunk in tiles of 8, of 3, and every row alone (as decode tokens are): bit-identical, so a
-    request recomputed after preemption or a restart sees the K/V and outputs it saw before."""
-    chunks = [(13, 20)]
+    request recomputed after preemption or a restart sees the K/V and outputs it saw before; also when
+    the chunk's rows cross a split of the keys."""
+    chunks = [(start, 20)]
     outs = []
     for rows in (8, 3, 1):
         args, _ = random_step(dtype, 9, 3, d, 16, chunks, rows_per_tile=rows)

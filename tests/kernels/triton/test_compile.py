@@ -12,7 +12,7 @@ import sys
 import textwrap
 
 KERNELS = {"_bgmv_shrink_kernel", "_bgmv_expand_kernel", "_sgmv_shrink_kernel", "_sgmv_expand_kernel",
-           "_paged_attention_kernel"}
+           "_paged_attention_kernel", "_combine_splits_kernel"}
 
 
 def run(tmp_path, *args: str) -> subprocess.CompletedProcess:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.triton.paged_attention import paged_attention, tile_rows
+from kernels.triton.paged_attention import num_splits, paged_attention, tile_rows
 from tests.kernels.backends import on_device
 from tests.kernels.cpu.test_attention import make_cache, random_rows, reference
 
@@ -58,3 +58,20 @@ def test_tile_rows_fill_a_program():
     bf16, fp32 = torch.bfloat16, torch.float32
     assert tile_rows(9, 3, 64, bf16) == 16 and tile_rows(32, 8, 128, bf16) == 16 and tile_rows(8, 1, 64, bf16) == 8
     assert tile_rows(64, 1, 64, bf16) == 1 and tile_rows(9, 3, 64, fp32) == 16 and tile_rows(32, 8, 128, fp32) == 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split_keys", [32, 40])
+def test_split_keys_merged_match_reference(dtype, split_keys):
+    """A step with few programs splits each row's keys into ranges (one program each, merged by a second
+    kernel): decodes shorter than one split, on a boundary and across several; a chunk whose rows cross a
+    boundary; ranges that are and are not a multiple of the key step."""
+    chunks = [(2, 1), (79, 1), (130, 1), (35, 12), (0, 5)]
+    args, ref_args = random_step(dtype, 9, 3, 64, 16, chunks, rows_per_tile=8)
+    max_len = max(s + n for s, n in chunks)
+    out, _ = on_device(paged_attention, *args, 0.125, max_len, split_keys)
+    torch.testing.assert_close(out.float(), reference(*ref_args, 0.125), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_a_step_splits_only_when_it_has_few_programs():
+    assert num_splits(1, 3, 8192) == 8 and num_splits(1, 3, 1000) == 1 and num_splits(300, 3, 8192) == 1
