@@ -60,7 +60,9 @@ class Side:
         builder = MetadataBuilder(self.block_size, b.every_token_a_row, b.query_tile_rows)
         for (start, n), table in zip(seqs, self.tables):
             builder.add(table, start, n)
-        return builder.build().to(self.backend.device)
+        meta = builder.build()
+        meta.to(self.backend.device)
+        return meta
 
     def run(self, q: torch.Tensor) -> list[torch.Tensor]:
         """One step's attention, every layer: q [T, heads, head_dim] -> each layer's output."""

@@ -137,10 +137,7 @@ def _history(r) -> History:
 
 
 def _to_device(inp: ForwardInput, device: torch.device) -> ForwardInput:
-    """The step's tensors, built on the host, copied to the device in one pass (non-blocking)."""
-    def move(t):
-        return t.to(device, non_blocking=True)
-    inp.meta.to(device)
-    inp.input_ids, inp.positions = move(inp.input_ids), move(inp.positions)
-    inp.logits_indices = move(inp.logits_indices)
+    """The step's tensors, built on the host, copied to the device in one non-blocking transfer."""
+    inp.input_ids, inp.positions, inp.logits_indices = inp.meta.to(device, inp.input_ids, inp.positions,
+                                                                   inp.logits_indices)
     return inp

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.transfer import to_device
+
 
 @dataclass
 class PrefillSeq:
@@ -40,16 +42,19 @@ class AttentionMetadata:
     max_tile_rows: int = 0                        # the most rows of any tile
     max_context: int = 0                          # the longest row's length (tokens attended to)
 
-    def to(self, device: torch.device) -> "AttentionMetadata":
-        """Moves every tensor to `device` in place (non-blocking copies from the host); returns self."""
-        def move(t):
-            return None if t is None else t.to(device, non_blocking=True)
-        for name in ("slot_page", "slot_offset", "decode_block_tables", "decode_lens", "decode_mask",
-                     "seq_block_tables", "query_tiles"):
-            setattr(self, name, move(getattr(self, name)))
-        for p in self.prefills:
-            p.block_table, p.mask = move(p.block_table), move(p.mask)
-        return self
+    def to(self, device: torch.device, *extra: torch.Tensor) -> list[torch.Tensor]:
+        """Moves every tensor to `device` in place, together with `extra` host tensors, in one transfer
+        (kernels/transfer.py); returns the moved `extra`."""
+        names = ("slot_page", "slot_offset", "decode_block_tables", "decode_lens", "seq_block_tables",
+                 "query_tiles")
+        tensors = [getattr(self, n) for n in names] + [t for p in self.prefills for t in (p.block_table, p.mask)]
+        moved = to_device(tensors + list(extra), device)
+        for name, t in zip(names, moved):
+            setattr(self, name, t)
+        for i, p in enumerate(self.prefills):
+            p.block_table, p.mask = moved[len(names) + 2 * i], moved[len(names) + 2 * i + 1]
+        self.decode_mask = None
+        return moved[len(tensors):]
 
 
 class MetadataBuilder:

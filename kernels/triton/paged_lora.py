@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.lora_layout import PackedLayout
+from kernels.transfer import to_device
 from kernels.triton import lora_ops
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -98,7 +99,6 @@ class PagedLoraStep:
         self.adapters = adapters
         width = max(len(e.pages) for e in entries)
         table = torch.tensor([e.pages + [0] * (width - len(e.pages)) for e in entries], dtype=torch.int64)
-        self.table = table.to(dev, non_blocking=True)                     # [A, max_pages]
         # [L, 7, A]: one contiguous vector over the step's adapters per (layer, module)
         self.a_off, self.b_off, self.rank, self.scale = (
             torch.stack([getattr(e, f) for e in entries], dim=-1).contiguous()
@@ -106,10 +106,11 @@ class PagedLoraStep:
         self.targets = [max(ranks) for ranks in zip(*(e.module_rank for e in entries))]   # [7] > 0: targeted
         self.max_rank = max(max(self.targets), 1)
         self.num_decode = num_decode
-        self.decode_idx = torch.tensor(token_idx[:num_decode], dtype=torch.int64, device=dev)
         starts, values = _runs(token_idx[num_decode:])
-        self.seg_start = torch.tensor(starts, dtype=torch.int64, device=dev)
-        self.seg_adapter = torch.tensor(values, dtype=torch.int64, device=dev)
+        # [A, max_pages], [D], [segments + 1], [segments]: one transfer
+        self.table, self.decode_idx, self.seg_start, self.seg_adapter = to_device(
+            [table, torch.tensor(token_idx[:num_decode], dtype=torch.int64),
+             torch.tensor(starts, dtype=torch.int64), torch.tensor(values, dtype=torch.int64)], dev)
         self.max_seg_len = max((b - a for a, b in zip(starts, starts[1:])), default=0)
         self.has_prefill = any(a >= 0 for a in values)
 

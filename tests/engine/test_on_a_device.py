@@ -150,6 +150,34 @@ def reads(monkeypatch):
     return log
 
 
+@pytest.fixture
+def sends(monkeypatch):
+    """The shape of every host index tensor (not adapter weights) copied to the device by `Tensor.to`."""
+    real_to, log = torch.Tensor.to, []
+
+    def to(t, *args, **kwargs):
+        out = real_to(t, *args, **kwargs)
+        if t.device.type == "cpu" and out.device == DEVICE and not t.is_floating_point():
+            log.append(tuple(t.shape))
+        return out
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    return log
+
+
+def counting_steps(llm: LLM, log: list) -> list[int]:
+    """From now on, how many entries each engine step adds to `log`, one count per step."""
+    counts, real_step = [], llm.engine.step
+
+    def step():
+        before = len(log)
+        out = real_step()
+        counts.append(len(log) - before)
+        return out
+    llm.engine.step = step
+    return counts
+
+
 def engine_on_device(tiny, backend: str, dtype: str = "bfloat16") -> LLM:
     llm = LLM(model=str(tiny / "model"), dtype=dtype, backend=backend, device="cuda", max_num_batched_tokens=32,
               long_prefill_token_threshold=24, kv_cache_memory_bytes=1 << 22, block_size=16)
@@ -188,12 +216,18 @@ def placement(llm: LLM) -> set[torch.device]:
 
 
 @pytest.mark.parametrize("backend,dtype", [("triton", "bfloat16"), ("triton", "float32"), ("torch", "bfloat16")])
-def test_a_greedy_step_lives_on_the_device_and_reads_back_only_its_token_ids(tiny, reads, backend, dtype):
+def test_a_greedy_step_lives_on_the_device_and_reads_back_only_its_token_ids(tiny, reads, sends, backend, dtype):
     llm = engine_on_device(tiny, backend, dtype)
     assert placement(llm) == {DEVICE}
+    sent = counting_steps(llm, sends)
     steps = run(llm, [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)] * 6, reads)
     for sampled, step_reads in steps:
         assert step_reads == ([((sampled,), torch.int64)] if sampled else [])
+    if backend == "triton":
+        # a step's metadata goes in one transfer, its adapters' indices in one more; beyond that, only
+        # each adapter's page index (its load) and its four per-module vectors (when first assigned)
+        assert min(sent) >= 1 and sent[-1] in (1, 2), sent
+        assert sum(sent) <= 2 * len(sent) + 5 * len(RANKS), sent
     copier = llm.engine.adapters.copier
     for adapter_id in {a.adapter_id for a in llm.engine.adapters.by_id.values()}:   # each load on the side stream
         at = copier.log.index(("copy", adapter_id))

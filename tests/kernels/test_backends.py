@@ -54,7 +54,9 @@ def make_meta(seqs, tables, bs, b) -> AttentionMetadata:
     builder = MetadataBuilder(bs, b.every_token_a_row, b.query_tile_rows)
     for (start, n), table in zip(seqs, tables):
         builder.add(table, start, n)
-    return builder.build().to(DEVICE)
+    meta = builder.build()
+    meta.to(DEVICE)
+    return meta
 
 
 def run_attention(b, dtype, steps, tables, bs=16, pages=24, layers=2):
