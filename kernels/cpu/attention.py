@@ -16,7 +16,7 @@ _P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 MAX_HEADS, MAX_HEAD_DIM = 128, 256   # as compiled into paged_tiled_attention.c
 
 
-# --- tiles of query rows (paged_tiled_attention.c): the row layout, every token a row -------------------
+# --- tiles of query rows (paged_tiled_attention.c): K keys-last, every token a row ---------------------
 
 _TILED_ARGS = [_P, _P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _F, _I]
 _TILED: dict | None | bool = False
@@ -136,8 +136,9 @@ def _check_paired(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, in
 
 def paired_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """As decode_attention, over paired views (see paired_views): q [D, H, d] bf16 (each row's heads
-    contiguous; rows at any stride, e.g. a view of the fused qkv) -> out [D, H, d]."""
+    """Every row over its own prefix, over paired views (see paired_views): q [D, H, d] bf16 (each row's
+    heads contiguous; rows at any stride, e.g. a view of the fused qkv); block_tables [D, max_blocks]
+    int64 each row's pages; lens [D] int64 each row's length -> out [D, H, d]."""
     kvh, d, bs, page_stride = _check_paired(k_cache, v_cache)
     rows, h, qd = q.shape
     assert qd == d and q.dtype == torch.bfloat16 and h % kvh == 0

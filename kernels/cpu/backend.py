@@ -3,7 +3,8 @@ backend's torch ops elsewhere (per op, decided once).
 
 bf16 on AVX512-BF16: packed GEMM with decode tokens' LoRA inside it, KV in the paired layout that
 vdpbf16ps reads, and the one-call decoder (decoder.c). bf16 on AVX2 + FMA: the fp32-compute GEMM and
-LoRA kernels, KV in rows. float32: C attention, elementwise ops and LoRA decode kernel over torch GEMMs.
+LoRA kernels, K stored keys-last and attention over tiles of rows (paged_tiled_attention.c). float32:
+that attention, elementwise ops and LoRA decode kernel over torch GEMMs.
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ class CpuBackend(TorchBackend):
 
     @property
     def query_tile_rows(self) -> int:
-        """Rows in tiles for the row layout's kernel; the paired kernel takes rows one by one."""
+        """Rows in tiles for the keys-last kernel; the paired kernel takes rows one by one."""
         return c_attention.TILE_ROWS if self.c_attention and not self.paired_kv else 0
 
     # -- the base model --------------------------------------------------------------------------------

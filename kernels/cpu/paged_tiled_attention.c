@@ -115,8 +115,8 @@ static void block_scores(const Tile *T, int64_t b, int nb) {
                 const int nt = nb - c * 16 < 16 ? nb - c * 16 : 16;
                 for (int r = 0; r < 4; r++) {
                     q[r] = T->qf + (int64_t)idx[r] * d;
-                    out[r] = r < 4 && first + r < T->n * G ? T->score + (int64_t)idx[r] * T->L + b * T->bs + c * 16
-                                                           : junk[r];
+                    out[r] = first + r < T->n * G ? T->score + (int64_t)idx[r] * T->L + b * T->bs + c * 16
+                                                : junk[r];
                 }
                 scores_4x16(q, T->kt + (int64_t)h * d * ks + c * 16, ks, d, out, nt);
             }
