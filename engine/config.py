@@ -125,7 +125,8 @@ class LoraConfig:
     max_loras: distinct adapters in one step. None (the default) leaves it to the backend: backends that
     compute from slots (CPU, reference) get DEFAULT_SLOTS of them; the Triton backend reads adapters in
     place in the pool's pages, so there the pool alone bounds it. max_lora_rank: the largest rank
-    accepted; max_cpu_loras / max_cpu_lora_bytes: the host-memory tier between disk and the page pool."""
+    accepted; max_cpu_loras / max_cpu_lora_bytes: the host-memory tier between disk and the page pool;
+    loader_threads: the threads that load adapters beside the step (engine/lora/loader.py)."""
     DEFAULT_SLOTS = 8
     enable_lora: bool = True
     max_loras: int | None = None
@@ -133,6 +134,7 @@ class LoraConfig:
     max_cpu_loras: int = 64
     max_cpu_lora_bytes: int = 4 << 30
     starvation_steps: int = 64
+    loader_threads: int = 1
 
     @property
     def num_slots(self) -> int:

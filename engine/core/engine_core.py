@@ -162,7 +162,7 @@ class EngineCore:
         out = self.scheduler.schedule()
         if out.is_empty:
             if self.adapters is not None and self.adapters.loading():
-                self.adapters.wait_loads()
+                self.adapters.wait_loads(timeout=0.01)   # a job finishing, or new requests
             elif self.scheduler.waiting and not self.scheduler.running:
                 results.append(self._fail_unservable(self.scheduler.waiting.oldest()))
             return results

@@ -1,34 +1,37 @@
 """The adapter registry and its memory tiers: disk -> host cache -> pages of the unified pool.
 
 The host tier (engine/lora/host_tier.py) holds adapters already packed as their pages, so a load from it
-is one copy (engine/lora/page_copier.py).
+is one copy. Every load runs in the loader (engine/lora/loader.py), off the step thread.
 
 Invariants:
+- registering reads only the adapter's config and safetensors header (engine/lora/host_adapter.py:
+  describe_adapter), never its weights: an adapter's bytes are first read when something needs them;
 - an adapter is RESIDENT when its packed weights fill `pages` (allocated from the shared PagePool);
+- a LOADING adapter owns its pages, but only the loader writes them; it is neither evicted nor used by a
+  step until `poll` (on the engine thread, between steps) has seen its job finish;
 - a resident adapter with `active > 0` (running requests) or `pinned` is never evicted; the others are
-  evicted least recently used first, when KV blocks or another adapter need the pages;
-- a load reads the file's bytes on a worker thread (overlapped with the forward pass); the engine
-  thread then parses, validates, packs and copies them into the pages in `poll`. Torch work stays on
-  the engine thread: torch ops on a second thread were seen to slow every later step 2.5x here.
+  evicted least recently used first, when KV blocks or another adapter need the pages.
 """
 from __future__ import annotations
 
 import enum
 import itertools
 import logging
+import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from engine.config import LoraConfig, ModelConfig
-from engine.lora.host_adapter import load_host_adapter, weights_file
+from engine.lora.host_adapter import AdapterFiles, describe_adapter
 from engine.lora.host_tier import HostTier
 from engine.lora.layout import PackedLayout, plan_layout
+from engine.lora.loader import AdapterLoader
 from engine.lora.page_copier import PageCopier
-from engine.lora.peft_config import LoraSpec, read_spec
 from engine.page_pool import PageKind, PagePool
 from ipc.adapter_names import check_adapter_name
 
@@ -46,7 +49,7 @@ class Adapter:
     name: str
     adapter_id: int
     path: Path
-    spec: LoraSpec
+    files: AdapterFiles
     layout: PackedLayout
     pinned: bool = False
     state: AdapterState = AdapterState.DISK
@@ -56,6 +59,7 @@ class Adapter:
     unregistering: bool = False
     future: Future | None = None
     error: str | None = None
+    load_started: float = 0.0   # time.monotonic() when its current load began
 
 
 @dataclass
@@ -66,6 +70,7 @@ class AdapterStats:
     hits: int = 0            # requests whose adapter was already resident
     host_hits: int = 0
     host_misses: int = 0
+    failed_loads: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -89,21 +94,27 @@ class AdapterManager:
         # has offered them (the others are further back): which queued adapters to evict first
         self.next_use: dict[int, int] = {}
         self._ids = itertools.count(1)
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="loraplex-adapter-reader")
         self.copier = PageCopier(storage)
-        self.host = HostTier(cfg.max_cpu_loras, cfg.max_cpu_lora_bytes, pinned=self.copier.cuda)
+        self.loader = AdapterLoader(storage, model.dtype, self.copier.cuda, cfg.loader_threads)
+        self.host = HostTier(cfg.max_cpu_loras, cfg.max_cpu_lora_bytes)
+        self._failed: list[tuple[Adapter, str]] = []   # failures wait_loads saw, for the next poll
+        self.load_seconds: list[float] = []   # each finished load's time, for metrics to take (and clear)
 
     # -- registry ---------------------------------------------------------------------------------------
-    def register(self, name: str, path: str | Path, pinned: bool = False) -> Adapter:
-        """Validate the adapter fully (config and weights) and register it under `name`.
+    def describe(self, path: str | Path) -> AdapterFiles:
+        """Validate an adapter's config and weight shapes (no weights read; any thread may call it)."""
+        return describe_adapter(path, self.model, self.cfg.max_lora_rank)
+
+    def register(self, name: str, path: str | Path, pinned: bool = False, files: AdapterFiles | None = None) -> Adapter:
+        """Register the adapter at `path` under `name`, described by `files` (describe(path) if not given).
 
         Registering a name again replaces it: the old adapter is unregistered (its prefix-cache blocks
-        dropped) once its requests finish; new requests get the new weights."""
+        dropped) once its requests finish; new requests get the new weights. A pinned adapter's load
+        starts at once."""
         check_adapter_name(name)
         path = Path(path)
-        spec = read_spec(path)
-        host = load_host_adapter(path, self.model, self.cfg.max_lora_rank, spec)
-        layout = plan_layout(host)
+        files = files or self.describe(path)
+        layout = plan_layout(files)
         need = layout.num_pages(self.page_elems)
         if pinned and self._pinned_pages() + need + self._largest_pages(need) > self.pool.num_pages:
             raise ValueError(f"adapter {name!r}: pinning it would leave no room in the pool for another adapter")
@@ -112,10 +123,9 @@ class AdapterManager:
         old = self.by_name.get(name)
         if old is not None:
             self.unregister(name)
-        a = Adapter(name, next(self._ids), path, spec, layout, pinned)
+        a = Adapter(name, next(self._ids), path, files, layout, pinned)
         self.by_name[name] = a
         self.by_id[a.adapter_id] = a
-        self.host.put(a.adapter_id, self.host.pack(host, layout, self.page_elems))
         if pinned:
             self.start_load(a)
         return a
@@ -178,67 +188,64 @@ class AdapterManager:
                 return False
         a.pages = self.pool.allocate(need, PageKind.ADAPTER)
         a.state = AdapterState.LOADING
-        if a.adapter_id in self.host:
+        a.load_started = time.monotonic()
+        packed = self.host.use(a.adapter_id)
+        if packed is not None:
             self.stats.host_hits += 1
-            a.future = Future()
-            a.future.set_result(None)
         else:
             self.stats.host_misses += 1
-            a.future = self._worker.submit(_read_bytes, weights_file(a.path))
+        a.future = self.loader.load(a.files, a.layout, a.pages, packed)
         return True
 
-    def _copy_in(self, a: Adapter, data: bytes | None) -> None:
-        """Host tier -> pages (parsing and validating the bytes read from disk first)."""
-        packed = self.host.use(a.adapter_id)
-        if packed is None:
-            host = load_host_adapter(a.path, self.model, self.cfg.max_lora_rank, a.spec, data)
-            if plan_layout(host) != a.layout:
-                raise ValueError(f"adapter {a.name!r}: weights on disk changed since registration")
-            packed = self.host.pack(host, a.layout, self.page_elems)
-            self.host.put(a.adapter_id, packed)
-        self.copier.copy(a.adapter_id, a.pages, packed)
-
     def poll(self) -> list[tuple[Adapter, str]]:
-        """Start the page copy of loads whose read is done, finish those whose copy has landed; return
-        adapters whose load failed, with the error."""
-        failed = []
+        """Finish the loads whose job is done (on a GPU: enqueue their copy, then wait for its event in a
+        later poll); return the adapters whose load failed, with the error. Costs microseconds."""
+        failed, self._failed = self._failed, []
         for a in list(self.by_id.values()):
             if a.state != AdapterState.LOADING:
                 continue
+            err = None
             if a.future is not None:
                 if not a.future.done():
                     continue
                 err = a.future.exception()
                 if err is None:
-                    try:
-                        self._copy_in(a, a.future.result())
-                    except (ValueError, OSError) as e:
-                        err = e
+                    packed = a.future.result()
+                    self.host.put(a.adapter_id, packed)
+                    if self.copier.cuda:
+                        self.copier.copy(a.adapter_id, a.pages, packed)
                 a.future = None
-            else:
-                err = None
             if err is None and not self.copier.done(a.adapter_id):
                 continue                # NOTE: LOADING until the copy lands: its pages are not evictable
             if err is None:
                 a.state = AdapterState.RESIDENT
                 self.lru[a.adapter_id] = None
                 self.stats.loads += 1
+                self.load_seconds.append(time.monotonic() - a.load_started)
                 self._maybe_drop(a)
             else:
                 self.pool.free(a.pages)
                 a.pages, a.state, a.error = [], AdapterState.DISK, str(err)
+                self.stats.failed_loads += 1
                 failed.append((a, str(err)))
+                self._maybe_drop(a)
         return failed
 
     def loading(self) -> bool:
         return any(a.state == AdapterState.LOADING for a in self.by_id.values())
 
-    def wait_loads(self) -> None:
-        """Block until every started load is finished (used when nothing else can run)."""
+    def wait_loads(self, timeout: float | None = None) -> None:
+        """Block until every started load is finished, or (with `timeout`) until one job finishes or
+        `timeout` seconds pass: what the engine does when nothing else can run."""
+        futures = [a.future for a in self.by_id.values() if a.future is not None]
+        if timeout is not None:
+            if futures:
+                wait_futures(futures, timeout, return_when=FIRST_COMPLETED)
+            return
+        wait_futures(futures)
+        self._failed += self.poll()        # enqueue the copies; the failures go to the next poll's caller
         for a in list(self.by_id.values()):
-            if a.future is not None:
-                a.future.exception()
-            elif a.state == AdapterState.LOADING:
+            if a.state == AdapterState.LOADING:
                 self.copier.wait(a.adapter_id)
 
     # -- eviction ---------------------------------------------------------------------------------------
@@ -307,9 +314,5 @@ class AdapterManager:
         return counts
 
     def close(self) -> None:
-        self._worker.shutdown(wait=True, cancel_futures=True)
-
-
-def _read_bytes(path: Path) -> bytes:
-    return path.read_bytes()
+        self.loader.close()
 

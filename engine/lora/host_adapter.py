@@ -1,23 +1,32 @@
-"""An adapter's weights in host memory, validated against the base model.
+"""An adapter's files, validated against the base model in two stages.
 
+`describe_adapter` reads adapter_config.json and the safetensors header only (tensor names, dtypes and
+shapes; no weights) and refuses everything loraplex cannot apply, naming it. It costs about a millisecond
+whatever the adapter's size, so a refusal is told at once and its `AdapterFiles` plans the adapter's pages.
+`read_weights` then reads the weights (memory-mapped), converts them to the model dtype and refuses NaN and
+infinite values; the loader (engine/lora/loader.py) runs it off the step thread.
 `HostAdapter.modules[(layer, module)] = LoraModule(A [r, in], B [out, r], scale)` in the model dtype.
 Only safetensors are read; pickled `.bin` weights are refused.
 """
 from __future__ import annotations
 
+import json
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.lora.peft_config import MODULES, LoraSpec, module_path, read_spec
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)"
                   r"\.lora_([AB])(?:\.\w+)?\.weight$")
+# safetensors dtype names that are floating point (what torch's is_floating_point accepts)
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+_MAX_HEADER = 100 << 20          # safetensors' own limit on the JSON header
 
 
 @dataclass
@@ -42,6 +51,29 @@ class HostAdapter:
     def ranks(self) -> dict[tuple[int, str], int]:
         return {k: m.rank for k, m in self.modules.items()}
 
+    def module_shapes(self) -> dict[tuple[int, str], tuple[int, int, int, float]]:
+        """(layer, module) -> (rank, in, out, scale), what plans the adapter's pages."""
+        return {k: (m.rank, m.a.shape[1], m.b.shape[0], m.scale) for k, m in self.modules.items()}
+
+
+@dataclass(frozen=True)
+class AdapterFiles:
+    """What `describe_adapter` found: enough to plan the pages and to read the weights later."""
+    path: Path
+    spec: LoraSpec
+    weights: Path
+    keys: dict[tuple[int, str], tuple[str, str]]                 # (layer, module) -> names of A and B
+    shapes: dict[tuple[int, str], tuple[int, int, int, float]]    # (layer, module) -> (rank, in, out, scale)
+    signature: tuple[int, ...]                                    # the files' sizes and mtimes
+
+    def module_shapes(self) -> dict[tuple[int, str], tuple[int, int, int, float]]:
+        return self.shapes
+
+    @property
+    def nbytes(self) -> int:
+        """The weights file's size."""
+        return self.signature[2]
+
 
 def module_shape(cfg: ModelConfig, module: str) -> tuple[int, int]:
     """(in, out) of a Llama projection."""
@@ -60,18 +92,46 @@ def weights_file(adapter_dir: str | Path) -> Path:
     return f
 
 
-def load_host_adapter(adapter_dir: str | Path, cfg: ModelConfig, max_rank: int,
-                      spec: LoraSpec | None = None, data: bytes | None = None) -> HostAdapter:
-    """Read (or parse `data`, the safetensors file's bytes) and validate an adapter."""
+def files_signature(adapter_dir: str | Path) -> tuple[int, ...]:
+    """(config size, config mtime, weights size, weights mtime) in ns; zeros for a missing file. Two equal
+    signatures mean the folder was not changed in between (as make and rsync judge it)."""
     d = Path(adapter_dir)
+    out: list[int] = []
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        try:
+            st = (d / name).stat()
+            out += [st.st_size, st.st_mtime_ns]
+        except OSError:
+            out += [0, 0]
+    return tuple(out)
+
+
+def read_header(f: Path) -> dict[str, dict]:
+    """The safetensors header: tensor name -> {"dtype", "shape", "data_offsets"} (no weights read)."""
+    try:
+        with open(f, "rb") as fh:
+            raw = fh.read(8)
+            n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+            if not 2 <= n <= _MAX_HEADER:
+                raise ValueError("bad header length")
+            header = json.loads(fh.read(n))
+        if not isinstance(header, dict):
+            raise ValueError("the header is not a JSON object")
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"adapter: {f} is not a valid safetensors file: {e}") from None
+    header.pop("__metadata__", None)
+    return header
+
+
+def describe_adapter(adapter_dir: str | Path, cfg: ModelConfig, max_rank: int,
+                     spec: LoraSpec | None = None) -> AdapterFiles:
+    """Validate an adapter's config and the names, dtypes and shapes of its weights; read no weights."""
+    d = Path(adapter_dir)
+    signature = files_signature(d)
     spec = spec or read_spec(d)
     f = weights_file(d)
-    try:
-        tensors = load_safetensors(data) if data is not None else load_file(str(f))
-    except Exception as e:  # noqa: BLE001 - a corrupt file must name itself, whatever the parser raised
-        raise ValueError(f"adapter: {f} is not a valid safetensors file: {e}") from None
-    parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
+    parts: dict[tuple[int, str], dict[str, tuple[str, dict]]] = {}
+    for key, info in read_header(f).items():
         m = _KEY.match(key)
         if not m:
             raise ValueError(f"adapter: weight {key!r} is not supported (only LoRA A/B of "
@@ -80,7 +140,7 @@ def load_host_adapter(adapter_dir: str | Path, cfg: ModelConfig, max_rank: int,
         if module not in MODULES or layer >= cfg.num_layers:
             raise ValueError(f"adapter: weight {key!r} does not fit the base model "
                              f"({cfg.num_layers} layers, modules {', '.join(MODULES)})")
-        parts.setdefault((layer, module), {})[ab] = tensor
+        parts.setdefault((layer, module), {})[ab] = (key, info)
     if not parts:
         raise ValueError(f"adapter: {f} holds no LoRA weights")
     missing = sorted(set(spec.expected_modules(cfg.num_layers)) - set(parts))
@@ -88,31 +148,67 @@ def load_host_adapter(adapter_dir: str | Path, cfg: ModelConfig, max_rank: int,
         layer, module = missing[0]
         raise ValueError(f"adapter: target_modules names {module} but {module_path(layer, module)} has no "
                          f"weights ({len(missing)} such modules missing)")
-    modules = {}
+    keys, shapes = {}, {}
     for (layer, module), ab in sorted(parts.items()):
-        modules[(layer, module)] = _check_module(cfg, spec, layer, module, ab, max_rank)
-    return HostAdapter(modules)
+        shapes[(layer, module)] = _check_module(cfg, spec, layer, module, ab, max_rank)
+        keys[(layer, module)] = (ab["A"][0], ab["B"][0])
+    return AdapterFiles(d, spec, f, keys, shapes, signature)
 
 
-def _check_module(cfg, spec, layer, module, ab, max_rank) -> LoraModule:
+def _check_module(cfg, spec, layer, module, ab, max_rank) -> tuple[int, int, int, float]:
     path = module_path(layer, module)
     if set(ab) != {"A", "B"}:
         raise ValueError(f"adapter: {path} has lora_{''.join(ab)} but not both A and B")
-    a, b = ab["A"], ab["B"]
+    a, b = tuple(ab["A"][1].get("shape", ())), tuple(ab["B"][1].get("shape", ()))
     n_in, n_out = module_shape(cfg, module)
     r = spec.rank_for(path)
-    if tuple(a.shape) != (r, n_in) or tuple(b.shape) != (n_out, r):
-        raise ValueError(f"adapter: {path} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; the base "
+    if a != (r, n_in) or b != (n_out, r):
+        raise ValueError(f"adapter: {path} has lora_A {a} and lora_B {b}; the base "
                          f"model and rank {r} need ({r}, {n_in}) and ({n_out}, {r}) (different base architecture?)")
     if r > max_rank:
         raise ValueError(f"adapter: rank {r} of {path} is above max_lora_rank={max_rank}")
-    weights = {"lora_A": a, "lora_B": b}
-    for name, t in weights.items():
-        if not t.is_floating_point():
-            raise ValueError(f"adapter: {path}.{name} is {t.dtype}; LoRA weights must be floating point")
-    weights = {name: t.to(cfg.dtype).contiguous() for name, t in weights.items()}
-    for name, t in weights.items():
-        # NaN, or beyond the model dtype's range: every output of this adapter's requests would be garbage
-        if not torch.isfinite(t).all():
-            raise ValueError(f"adapter: {path}.{name} holds NaN or infinite values (in {cfg.dtype})")
-    return LoraModule(weights["lora_A"], weights["lora_B"], spec.scale_for(path))
+    for name, (_, info) in (("lora_A", ab["A"]), ("lora_B", ab["B"])):
+        if info.get("dtype") not in _FLOAT_DTYPES:
+            raise ValueError(f"adapter: {path}.{name} is {info.get('dtype')}; LoRA weights must be floating point")
+    return r, n_in, n_out, spec.scale_for(path)
+
+
+def read_weights(files: AdapterFiles):
+    """Yield ((layer, module), a [r, in], b [out, r]) for every module, read memory-mapped, in the file's
+    dtype (the caller converts). Raises ValueError when the file no longer matches its description."""
+    try:
+        fh = safe_open(str(files.weights), framework="pt")
+    except Exception as e:  # noqa: BLE001 - a corrupt file must name itself, whatever the parser raised
+        raise ValueError(f"adapter: {files.weights} is not a valid safetensors file: {e}") from None
+    with fh:
+        for key, (ka, kb) in files.keys.items():
+            try:
+                a, b = fh.get_tensor(ka), fh.get_tensor(kb)
+            except Exception as e:  # noqa: BLE001 - as above
+                raise ValueError(f"adapter: {files.weights} cannot be read: {e}") from None
+            r, n_in, n_out, _ = files.shapes[key]
+            if tuple(a.shape) != (r, n_in) or tuple(b.shape) != (n_out, r) or not a.is_floating_point() \
+                    or not b.is_floating_point():
+                raise ValueError(f"adapter: {files.weights} changed on disk since it was registered "
+                                 f"({module_path(*key)} is not what its header said)")
+            yield key, a, b
+
+
+def check_finite(key: tuple[int, str], name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    """NaN, or beyond the model dtype's range: every output of this adapter's requests would be garbage."""
+    if not torch.isfinite(t).all():
+        raise ValueError(f"adapter: {module_path(*key)}.{name} holds NaN or infinite values (in {dtype})")
+
+
+def load_host_adapter(adapter_dir: str | Path, cfg: ModelConfig, max_rank: int,
+                      spec: LoraSpec | None = None) -> HostAdapter:
+    """Describe, read and validate an adapter into host memory (tests and tools; the engine's loader
+    writes straight into the packed pages instead)."""
+    files = describe_adapter(adapter_dir, cfg, max_rank, spec)
+    modules = {}
+    for key, a, b in read_weights(files):
+        a, b = a.to(cfg.dtype).contiguous(), b.to(cfg.dtype).contiguous()
+        check_finite(key, "lora_A", a, cfg.dtype)
+        check_finite(key, "lora_B", b, cfg.dtype)
+        modules[key] = LoraModule(a, b, files.shapes[key][3])
+    return HostAdapter(modules)

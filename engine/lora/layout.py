@@ -1,4 +1,4 @@
-"""Packing a host adapter into pages of the unified pool, in the layout of kernels/lora_layout.py."""
+"""Packing an adapter into pages of the unified pool, in the layout of kernels/lora_layout.py."""
 from __future__ import annotations
 
 import torch
@@ -7,14 +7,15 @@ from engine.lora.host_adapter import HostAdapter
 from kernels.lora_layout import ModuleSlice, PackedLayout
 
 
-def plan_layout(adapter: HostAdapter) -> PackedLayout:
+def plan_layout(adapter) -> PackedLayout:
+    """adapter: anything with module_shapes() -> {(layer, module): (rank, in, out, scale)} (a HostAdapter,
+    or the AdapterFiles described from the header before any weight is read)."""
     off = 0
     mods = {}
-    for key in sorted(adapter.modules):
-        m = adapter.modules[key]
-        r, n_in = m.a.shape
-        n_out = m.b.shape[0]
-        mods[key] = ModuleSlice(off, off + r * n_in, r, n_in, n_out, m.scale)
+    shapes = adapter.module_shapes()
+    for key in sorted(shapes):
+        r, n_in, n_out, scale = shapes[key]
+        mods[key] = ModuleSlice(off, off + r * n_in, r, n_in, n_out, scale)
         off += r * (n_in + n_out)
     return PackedLayout(mods, off)
 

@@ -1,9 +1,13 @@
 """Adapters managed over the wire: load and unload commands, loads on first use from --adapter-dir, and
 the journal that registers run-time loads again after an engine restart.
 
-Each method runs the registration (which reads and validates the files) on the engine thread through
-`run`, and reports what changed through `changed` (the engine process tells every frontend at once).
-Refusals are ValueError / LookupError / OSError with a message naming the problem; nothing is half done.
+Each method runs the registration on the engine thread through `run`; registering reads only the adapter's
+config and safetensors header (about a millisecond), never its weights: those are read by the loader, beside
+the step, when a request first needs them. What changed is told through `changed` (the engine process tells
+every frontend at once). Refusals are ValueError / LookupError / OSError with a message naming the problem;
+nothing is half done. `--adapter-dir` is listed at start-up, not read (`AdapterCatalog`); a folder refused
+at first use, or whose weights failed to load, is refused again at once with the same reason until its
+files change.
 """
 from __future__ import annotations
 
@@ -11,7 +15,8 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from engine.core.engine_core import EngineCore
-from engine.serving.adapter_dir import check_load_path, resolve_adapter_dir
+from engine.lora.host_adapter import files_signature
+from engine.serving.adapter_dir import AdapterCatalog, check_load_path, resolve_adapter_dir
 from engine.serving.adapter_journal import AdapterJournal
 from ipc.outputs import AdapterReply, EngineStatus
 from ipc.requests import AdapterCommand
@@ -25,6 +30,7 @@ class AdapterCommands:
         """run(fn, *args): fn's result, computed on the engine thread; changed(): tell the frontends."""
         self.core, self.run, self.changed = core, run, changed
         self.adapter_dir = adapter_dir
+        self.catalog = AdapterCatalog(adapter_dir) if adapter_dir else None
         self.lora_roots = lora_roots              # where a run-time load may read from
         self.runtime_lora = runtime_lora
         self.journal = journal
@@ -41,17 +47,43 @@ class AdapterCommands:
                 log.warning("adapter %r loaded before the restart cannot be registered again: %s", e["name"], err)
                 self.journal.unloaded(e["name"])
 
+    def names(self) -> list[str]:
+        """The adapters a client may name: those registered and those listed in --adapter-dir."""
+        registered = self.core.adapters.names() if self.core.adapters is not None else []
+        listed = self.catalog.names() if self.catalog is not None else set()
+        return sorted(listed.union(registered))
+
     async def load_on_demand(self, name: str | None) -> None:
         """Register DIR/<name> for an adapter name not registered yet. Any failure to find or read it is
-        an unknown model to the client (LookupError -> 404)."""
+        an unknown model to the client (LookupError -> 404), with the reason; a folder refused before is
+        refused at once while its files are unchanged."""
         adapters = self.core.adapters
-        if name is None or adapters is None or name in adapters.by_name or not self.adapter_dir:
+        if name is None or adapters is None:
             return
+        a = adapters.by_name.get(name)
+        if a is not None:
+            if a.error is None:
+                return
+            if files_signature(a.path) == a.files.signature:
+                raise LookupError(f"adapter {name!r} is not available: its weights failed to load: {a.error}")
+            try:                            # changed on disk since: describe it again
+                await self.run(self.core.register_adapter, name, str(a.path), a.pinned)
+            except ValueError as e:
+                raise LookupError(f"adapter {name!r} is not available: {e}") from None
+            return
+        if not self.adapter_dir:
+            return
+        why = self.catalog.refusal(name)
+        if why is not None:
+            raise LookupError(f"adapter {name!r} is not available: {why}")
         try:
             path = resolve_adapter_dir(self.adapter_dir, name)
             await self.run(self.core.register_adapter, name, str(path))
         except ValueError as e:
+            self.catalog.refuse(name, str(e))
+            await self.changed()            # /v1/models stops listing it
             raise LookupError(f"adapter {name!r} is not available: {e}") from None
+        self.catalog.listed.add(name)
         await self.changed()
 
     async def handle(self, cmd: AdapterCommand) -> AdapterReply:

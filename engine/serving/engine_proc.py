@@ -30,7 +30,6 @@ from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
 from engine.output_processor import OutputProcessor
 from engine.serving.adapter_commands import AdapterCommands
-from engine.serving.adapter_dir import register_adapter_dir
 from engine.serving.adapter_journal import AdapterJournal
 from engine.serving.engine_stats import EngineStatsPublisher
 from engine.serving.request_routes import RequestRoutes
@@ -71,12 +70,11 @@ class AsyncEngine:
         self.core, tok = await self._run(build)
         self.processor = OutputProcessor(tok)
         self.stats = EngineStatsPublisher(self.core)
-        if self.adapter_dir:
-            # NOTE: a refused sub-folder is tried again (and its error told) when a request names it
-            names, refused = await self._run(register_adapter_dir, self.core, self.adapter_dir)
-            log.info("registered %d adapters from %s (%d refused)", len(names), self.adapter_dir, len(refused))
         self.adapter_ops = AdapterCommands(self.core, self._run, self.broadcast_status, self.adapter_dir,
                                            self.lora_roots, self.runtime_lora, self.journal)
+        if self.adapter_ops.catalog is not None:
+            log.info("%d adapters listed in %s (each read when first used)", len(self.adapter_ops.catalog.listed),
+                     self.adapter_dir)
         await self.adapter_ops.restore()
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -187,7 +185,7 @@ class AsyncEngine:
         s = self.core.scheduler
         m = self.core.cfg.model
         return EngineStatus(m.name, m.path, m.max_model_len,
-                            self.core.adapters.names() if self.core.adapters else [], len(s.running), len(s.waiting),
+                            self.adapter_ops.names(), len(s.running), len(s.waiting),
                             self.incarnation, m.vocab_size)
 
     # -- inputs -----------------------------------------------------------------------------------------

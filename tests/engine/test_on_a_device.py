@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import engine.lora.adapter_manager as adapter_manager
+import engine.lora.loader as loader
 import kernels.selector as selector
 from bench.adapters import write_peft_adapter
 from bench.tiny_model import make_tiny_llama
@@ -143,6 +144,7 @@ def reads(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", on_stream)
     monkeypatch.setattr(torch.cuda, "Event", lambda: Event(copiers[-1].log))
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda t: t)       # no pinned memory without a GPU
+    monkeypatch.setattr(loader, "host_buffer", lambda n, dtype, pin: torch.empty(n, dtype=dtype))
     monkeypatch.setattr(torch.Tensor, "tolist", tolist)
     for module, names in KERNELS.items():
         for name in names:

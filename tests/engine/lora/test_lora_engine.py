@@ -83,16 +83,16 @@ def test_a_loading_adapter_holds_up_nobody(llm, adapter_dir, monkeypatch):
     """While one adapter's file is slow to read, base and resident-adapter requests keep decoding."""
     import time as _time
 
-    from engine.lora import adapter_manager
+    from engine.lora import loader
     from engine.lora.adapter_manager import AdapterState
     from ipc.requests import GenerateRequest
     d, _ = adapter_dir
-    real_read = adapter_manager._read_bytes
+    real_read = loader.read_packed
 
-    def slow_read(path):
+    def slow_read(*args, **kwargs):
         _time.sleep(1.5)
-        return real_read(path)
-    monkeypatch.setattr(adapter_manager, "_read_bytes", slow_read)
+        return real_read(*args, **kwargs)
+    monkeypatch.setattr(loader, "read_packed", slow_read)
     llm.register_adapter("slow", str(d / "r32-mlp"))
     core = llm.engine
     core.adapters.host.clear()         # not in the host tier: the load must read the (slow) disk

@@ -1,36 +1,15 @@
-"""An adapter whose page copy has not landed stays LOADING: steps that do not use it run meanwhile, its
-pages cannot be evicted, and its requests run once the copy lands. On CPU the copy is immediate, so a
-copier that holds its copies pending (as a CUDA side stream would) stands in for the device here."""
+"""An adapter whose load has not landed stays LOADING: steps that do not use it run meanwhile, its pages
+cannot be evicted, and its requests run once the load lands. The loader is held (a slow disk) to keep the
+load in flight; on a GPU the copy on the side stream is the last part of a load (tests/engine/test_on_a_device.py
+runs that branch)."""
 from __future__ import annotations
 
 import pytest
 
 from engine.llm import LLM
 from engine.lora.adapter_manager import AdapterState
-from engine.lora.page_copier import PageCopier
 from ipc.requests import GenerateRequest
 from ipc.sampling_params import SamplingParams
-
-
-class HeldCopier(PageCopier):
-    """Copies at once, but reports each copy pending until `release()` (a copy in flight)."""
-
-    def __init__(self, storage):
-        super().__init__(storage)
-        self.held: set[int] = set()
-
-    def copy(self, adapter_id, pages, packed):
-        super().copy(adapter_id, pages, packed)
-        self.held.add(adapter_id)
-
-    def done(self, adapter_id):
-        return adapter_id not in self.held
-
-    def wait(self, adapter_id):
-        raise AssertionError("the engine waited on a copy while other work could run")
-
-    def release(self):
-        self.held.clear()
 
 
 @pytest.fixture
@@ -41,9 +20,9 @@ def llm(adapter_dir):
     return llm
 
 
-def test_a_copy_in_flight_holds_up_nobody_and_cannot_be_evicted(llm):
+def test_a_load_in_flight_holds_up_nobody_and_cannot_be_evicted(llm):
     core = llm.engine
-    copier = core.adapters.copier = HeldCopier(core.runner.storage)
+    core.adapters.loader.pause()
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     core.add_request(GenerateRequest("lora", [1, 2, 3, 4], params, adapter="r16-attn"))
     core.add_request(GenerateRequest("base", [1, 2, 3, 4], params))
@@ -51,12 +30,12 @@ def test_a_copy_in_flight_holds_up_nobody_and_cannot_be_evicted(llm):
     base_tokens = 0
     for _ in range(4):
         base_tokens += sum(len(o.new_token_ids) for o in core.step() if o.request_id == "base")
-    assert adapter.state == AdapterState.LOADING and copier.held == {adapter.adapter_id}
-    assert base_tokens >= 3, "the base request decodes while the adapter's copy is in flight"
+    assert adapter.state == AdapterState.LOADING and not adapter.future.done()
+    assert base_tokens >= 3, "the base request decodes while the adapter's load is in flight"
     pages = list(adapter.pages)
-    assert core.adapters.evict_idle(len(pages)) == 0            # its pages are a copy's target: kept
+    assert core.adapters.evict_idle(len(pages)) == 0            # its pages are a load's target: kept
     assert adapter.pages == pages and adapter.state == AdapterState.LOADING
-    copier.release()
+    core.adapters.loader.resume()
     outs = []
     while core.has_unfinished():
         outs += core.step()
@@ -70,8 +49,7 @@ def test_a_copy_in_flight_holds_up_nobody_and_cannot_be_evicted(llm):
 def test_the_host_tier_holds_packed_pages_so_a_reload_is_one_copy(llm, monkeypatch):
     """Evicted from the pool, the adapter comes back from the host tier without being read or packed again;
     the host copy is pinned exactly when the pool is on a GPU (so the side stream copies it with no staging)."""
-    import engine.lora.adapter_manager as manager
-    import engine.lora.host_tier as host_tier
+    import engine.lora.loader as loader
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     want = llm.generate([[1, 2, 3, 4]], params, adapter="r16-attn")[0].token_ids
     adapters = llm.engine.adapters
@@ -84,7 +62,6 @@ def test_the_host_tier_holds_packed_pages_so_a_reload_is_one_copy(llm, monkeypat
 
     def no_repacking(*args):
         raise AssertionError("a load from the host tier packed the adapter again")
-    monkeypatch.setattr(host_tier, "pack", no_repacking)
-    monkeypatch.setattr(manager, "_read_bytes", no_repacking)
+    monkeypatch.setattr(loader, "read_packed", no_repacking)
     assert llm.generate([[1, 2, 3, 4]], params, adapter="r16-attn")[0].token_ids == want
     assert adapter.state == AdapterState.RESIDENT and adapters.stats.host_hits >= 1

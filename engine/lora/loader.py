@@ -1,0 +1,109 @@
+"""The adapter loader: every byte of an adapter's way from its file to its pages, off the step thread.
+
+One job per load, on a small bounded thread pool (`LoraConfig.loader_threads`, 1 by default): read the
+weights (memory-mapped), convert them to the model dtype while packing them into their page-sized rows,
+refuse NaN and infinite values, and on the host write the rows into the adapter's pages of the pool. On a
+GPU the packed rows are pinned and the job ends there: the engine thread only enqueues their copy on the
+side stream (engine/lora/page_copier.py), which costs microseconds. A load from the host tier is the
+page write alone. The step thread sees a job only through its future: done (the pages are ready, or the
+packed rows can be enqueued) or failed (a ValueError / OSError naming the problem).
+
+Why the pages may be written from another thread: they were allocated to the adapter before the job was
+submitted and the adapter is LOADING until the engine thread has seen the job finish, so nothing reads them
+(no request of it runs) and nothing else writes them (only RESIDENT adapters are evicted).
+
+The loader's threads must not starve the step, which on a small CPU keeps every core busy in barrier-
+synchronised kernels: a thread taking a core from one of them stalls the whole step. Each loader thread
+runs torch with one intra-op thread (so a job never starts a second OpenMP team) at nice 19 (Linux:
+per-thread): it fills the cores the step leaves idle (the scheduler, sampling, detokenizing, an engine
+waiting for its load) and takes little from a busy one. Measured in docs/performance.md (bench_load_stall).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from engine.lora.host_adapter import AdapterFiles, check_finite, read_weights
+from kernels.lora_layout import PackedLayout
+
+log = logging.getLogger("loraplex.lora")
+LOADER_NICE = 19
+
+
+def _init_thread(nice: int) -> None:
+    torch.set_num_threads(1)
+    if nice and hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+        except OSError as e:       # a container may refuse it: loads still work, at normal priority
+            log.warning("adapter loader runs at normal priority: %s", e)
+
+
+def host_buffer(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """n uninitialised elements in host memory, page-locked when `pin` (a GPU copies them asynchronously)."""
+    return torch.empty(n, dtype=dtype, pin_memory=pin)
+
+
+def read_packed(files: AdapterFiles, layout: PackedLayout, page_elems: int, dtype: torch.dtype,
+                pin: bool = False) -> torch.Tensor:
+    """The adapter's weights straight into its page rows: -> [num_pages, page_elems] in `dtype`, zero past
+    the end; each tensor is read once (memory-mapped) and converted as it is copied into place."""
+    n = layout.num_pages(page_elems) * page_elems
+    flat = host_buffer(n, dtype, pin)
+    flat[layout.num_elems:].zero_()
+    for key, a, b in read_weights(files):
+        s = layout.modules[key]
+        for name, t, off in (("lora_A", a, s.a_offset), ("lora_B", b, s.b_offset)):
+            dst = flat[off:off + t.numel()]
+            dst.copy_(t.flatten())
+            check_finite(key, name, dst, dtype)
+    return flat.view(-1, page_elems)
+
+
+def write_pages(storage: torch.Tensor, pages: list[int], packed: torch.Tensor) -> None:
+    """packed [len(pages), page_elems] -> storage's rows `pages`, in order (host memory)."""
+    storage.index_copy_(0, torch.tensor(pages, dtype=torch.long), packed)
+
+
+class AdapterLoader:
+    def __init__(self, storage: torch.Tensor, dtype: torch.dtype, on_gpu: bool, threads: int = 1,
+                 nice: int = LOADER_NICE):
+        """on_gpu: the pool is on a GPU (PageCopier.cuda): jobs pack pinned rows and leave the copy."""
+        self.storage = storage                  # [num_pages, page_elems], the pool
+        self.page_elems = storage.shape[1]
+        self.dtype = dtype
+        self.cuda = on_gpu
+        self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="loraplex-loader",
+                                       initializer=_init_thread, initargs=(nice,))
+        self.hold = threading.Event()           # tests: set() to make every job wait for release()
+        self.hold.set()
+
+    def load(self, files: AdapterFiles, layout: PackedLayout, pages: list[int],
+             packed: torch.Tensor | None = None) -> Future:
+        """Start a load: -> a future of the packed rows [len(pages), page_elems]. On the host the rows are
+        in their pages when it completes; on a GPU the caller copies them (PageCopier). `packed`: the host
+        tier's copy, if it has one (no file is read)."""
+        return self.pool.submit(self._job, files, layout, pages, packed)
+
+    def _job(self, files, layout, pages, packed):
+        self.hold.wait()
+        if packed is None:
+            packed = read_packed(files, layout, self.page_elems, self.dtype, pin=self.cuda)
+        if not self.cuda:
+            write_pages(self.storage, pages, packed)
+        return packed
+
+    def pause(self) -> None:
+        """Tests: jobs started from now on wait (a slow disk) until resume()."""
+        self.hold.clear()
+
+    def resume(self) -> None:
+        self.hold.set()
+
+    def close(self) -> None:
+        self.hold.set()
+        self.pool.shutdown(wait=True, cancel_futures=True)
