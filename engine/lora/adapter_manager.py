@@ -243,7 +243,8 @@ class AdapterManager:
                 wait_futures(futures, timeout, return_when=FIRST_COMPLETED)
             return
         wait_futures(futures)
-        self._failed += self.poll()        # enqueue the copies; the failures go to the next poll's caller
+        failed = self.poll()               # enqueue the copies; the failures go to the next poll's caller
+        self._failed += failed
         for a in list(self.by_id.values()):
             if a.state == AdapterState.LOADING:
                 self.copier.wait(a.adapter_id)

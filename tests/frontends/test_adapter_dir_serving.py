@@ -24,6 +24,9 @@ def server(served_adapters, tmp_path_factory):
     (d / "broken-config").mkdir()
     (d / "broken-config" / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": -3}))
     shutil.copytree(src / "r4-qv", d / "bad name!")
+    for i in range(100):        # unreadable folders: listed, since start-up reads none of them
+        (d / f"unread-{i}").mkdir()
+        (d / f"unread-{i}" / "adapter_config.json").write_text("{ not json")
     s = Server("--adapter-dir", str(d), "--frontends", "1", "--disable-runtime-lora")
     yield s, src
     assert s.stop() == 0
@@ -34,6 +37,7 @@ def test_broken_adapters_are_skipped_and_named_in_the_error(server):
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused")
     models = {m.id for m in client.models.list().data}
     assert {"good", "broken-weights", "broken-config"} <= models and "bad name!" not in models   # listed, unread
+    assert {f"unread-{i}" for i in range(100)} <= models
     assert client.completions.create(model="good", prompt="Hi", max_tokens=3).choices[0].text is not None
     for _ in range(2):          # the second time from memory, with the same reason
         for name, why in (("broken-weights", "safetensors"), ("broken-config", "r must be a positive integer")):

@@ -165,3 +165,61 @@ def test_queued_adapters_are_evicted_furthest_back_in_line_first(tmp_path):
     assert m.start_load(e)                                     # c (place 5) before d (1) and a (0)
     assert [a.state for a in ads] == [AdapterState.RESIDENT, AdapterState.DISK, AdapterState.DISK]
     assert d.state == AdapterState.RESIDENT
+
+
+def test_registering_reads_no_weights_the_load_does(tmp_path, monkeypatch):
+    import engine.lora.loader as loader
+    m, pool = manager(16)
+    d = write_adapter(tmp_path / "a", r=4)
+    calls = []
+    real = loader.read_packed
+    monkeypatch.setattr(loader, "read_packed", lambda *a, **k: calls.append(1) or real(*a, **k))
+    a = m.register("a", d)
+    assert not calls and a.state == AdapterState.DISK and pool.num_free == 16
+    load(m, a)
+    assert calls == [1]
+
+
+def test_a_load_racing_an_unload_frees_everything_when_it_lands(tmp_path):
+    m, pool = manager(16)
+    a = m.register("a", write_adapter(tmp_path / "a", r=4))
+    m.loader.pause()
+    assert m.start_load(a) and a.state == AdapterState.LOADING
+    m.unregister("a")                                  # refused for new requests at once
+    assert "a" not in m.by_name and a.pages           # the loader still writes its pages: kept until it lands
+    assert m.evict_idle(16) == 0
+    m.loader.resume()
+    m.wait_loads()
+    assert not m.poll()
+    assert pool.num_free == 16 and a.adapter_id not in m.by_id and not m.host
+
+
+def test_a_reload_under_the_same_name_while_loading_serves_the_new_weights(tmp_path):
+    m, pool = manager(16)
+    old = m.register("a", write_adapter(tmp_path / "old", r=4, seed=1))
+    m.enqueue(old.adapter_id)                         # a request admitted for the old weights
+    m.loader.pause()
+    assert m.start_load(old)
+    new = m.register("a", write_adapter(tmp_path / "new", r=4, seed=2))
+    assert m.lookup("a") is new and new.adapter_id != old.adapter_id
+    assert m.start_load(new)
+    m.loader.resume()
+    m.wait_loads()
+    assert not m.poll()
+    assert old.state == new.state == AdapterState.RESIDENT      # the old one until its request is done
+    assert not torch.equal(m.host[old.adapter_id], m.host[new.adapter_id])
+    m.dequeue(old.adapter_id)
+    assert old.adapter_id not in m.by_id and pool.num_free == 16 - len(new.pages)
+
+
+def test_a_load_that_fails_frees_its_pages_and_names_the_problem(tmp_path):
+    m, pool = manager(16)
+    d = write_adapter(tmp_path / "a", r=4)
+    a = m.register("a", d)
+    key = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
+    write_adapter(d, 4, extra_tensors={key: torch.full((16, 4), float("nan"))})   # same shapes, NaN now
+    assert m.start_load(a)
+    m.wait_loads()
+    (failed, error), = m.poll()
+    assert failed is a and "NaN" in error and "v_proj" in error
+    assert a.state == AdapterState.DISK and pool.num_free == 16 and m.stats.failed_loads == 1
