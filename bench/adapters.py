@@ -17,7 +17,9 @@ from engine.lora.peft_config import module_path
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_peft_adapter(d: Path, cfg: ModelConfig, r: int, targets=ALL, seed: int = 0, std: float = 0.02) -> Path:
+def write_peft_adapter(d: Path, cfg: ModelConfig, r: int, targets=ALL, seed: int = 0, std: float = 0.02,
+                       dtype: torch.dtype = torch.bfloat16) -> Path:
+    """dtype: what the file holds (PEFT saves float32 unless the model was cast)."""
     if (d / "adapter_config.json").is_file():
         return d
     d.mkdir(parents=True, exist_ok=True)
@@ -27,8 +29,8 @@ def write_peft_adapter(d: Path, cfg: ModelConfig, r: int, targets=ALL, seed: int
         for m in targets:
             n_in, n_out = module_shape(cfg, m)
             key = f"base_model.model.{module_path(layer, m)}"
-            tensors[f"{key}.lora_A.weight"] = (torch.randn(r, n_in, generator=g) * std).to(torch.bfloat16)
-            tensors[f"{key}.lora_B.weight"] = (torch.randn(n_out, r, generator=g) * std).to(torch.bfloat16)
+            tensors[f"{key}.lora_A.weight"] = (torch.randn(r, n_in, generator=g) * std).to(dtype)
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(n_out, r, generator=g) * std).to(dtype)
     save_file(tensors, str(d / "adapter_model.safetensors"))
     (d / "adapter_config.json").write_text(json.dumps({
         "peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(targets), "bias": "none",

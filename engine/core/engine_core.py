@@ -5,6 +5,7 @@ one caller at a time.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -97,6 +98,12 @@ class EngineCore:
     def register_adapter(self, name: str, path: str, pinned: bool = False) -> None:
         self._lora_manager().register(name, path, pinned)
 
+    def prefetch_adapter(self, name: str) -> bool:
+        """Start loading a registered adapter's weights now (the loader, beside the step) if the pool has
+        room without evicting an adapter that queued requests need; False when it had none."""
+        a = self._lora_manager().lookup(name)
+        return self.adapters.start_load(a, evict_queued=False)
+
     def unregister_adapter(self, name: str) -> None:
         try:
             self._lora_manager().unregister(name)
@@ -168,7 +175,8 @@ class EngineCore:
             return results
         self._order_by_slot(out)
         try:
-            result = self.runner.execute(out, self._lora_step(out))
+            with self._loader_yields():
+                result = self.runner.execute(out, self._lora_step(out))
         except Exception as e:  # noqa: BLE001 - one request's bad step must not fail the others in it
             return results + self._step_failed(out, e)
         finished = {id(r) for r in self.scheduler.update(out, result.sampled)}
@@ -183,6 +191,10 @@ class EngineCore:
             if done:
                 self.requests.pop(req.request_id, None)
         return results
+
+    def _loader_yields(self):
+        """Adapter loads pause while the forward pass computes (engine/lora/loader.py)."""
+        return self.adapters.loader.step_running() if self.adapters is not None else contextlib.nullcontext()
 
     def _order_by_slot(self, out) -> None:
         """Lay tokens out in compute-slot order, decodes (one token each) still first, so that the LoRA

@@ -12,17 +12,23 @@ Why the pages may be written from another thread: they were allocated to the ada
 submitted and the adapter is LOADING until the engine thread has seen the job finish, so nothing reads them
 (no request of it runs) and nothing else writes them (only RESIDENT adapters are evicted).
 
-The loader's threads must not starve the step, which on a small CPU keeps every core busy in barrier-
-synchronised kernels: a thread taking a core from one of them stalls the whole step. Each loader thread
-runs torch with one intra-op thread (so a job never starts a second OpenMP team) at nice 19 (Linux:
-per-thread): it fills the cores the step leaves idle (the scheduler, sampling, detokenizing, an engine
-waiting for its load) and takes little from a busy one. Measured in docs/performance.md (bench_load_stall).
+The loader must not slow the step, which on a small CPU keeps every core busy in barrier-synchronised
+kernels: a thread that takes a core from one of them for a millisecond stalls the whole step as long. So
+a job works in small pieces (one tensor, one page: about 0.1 ms each). While a forward pass computes
+(`step_running`: the engine marks it) the job rests after each piece for DUTY_REST times as long as the
+piece took, taking about 1 / (1 + DUTY_REST) of one core from the step; the rest of the time (the engine's
+Python work between forward passes, when one core is idle, or an engine with nothing else to run) it runs
+at full speed. Each loader thread runs torch with one intra-op thread (a job never starts a second OpenMP
+team). Measured in docs/performance.md
+(bench_load_stall).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -31,7 +37,8 @@ from engine.lora.host_adapter import AdapterFiles, check_finite, read_weights
 from kernels.lora_layout import PackedLayout
 
 log = logging.getLogger("loraplex.lora")
-LOADER_NICE = 19
+LOADER_NICE = 0
+DUTY_REST = 6.0     # while a step computes: rest 6x each piece's time (about 14% of one core)
 
 
 def _init_thread(nice: int) -> None:
@@ -48,25 +55,33 @@ def host_buffer(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     return torch.empty(n, dtype=dtype, pin_memory=pin)
 
 
+def _no_pause() -> None:
+    return None
+
+
 def read_packed(files: AdapterFiles, layout: PackedLayout, page_elems: int, dtype: torch.dtype,
-                pin: bool = False) -> torch.Tensor:
+                pin: bool = False, pace=_no_pause) -> torch.Tensor:
     """The adapter's weights straight into its page rows: -> [num_pages, page_elems] in `dtype`, zero past
-    the end; each tensor is read once (memory-mapped) and converted as it is copied into place."""
+    the end; each tensor is read once (memory-mapped) and converted as it is copied into place. pace():
+    called before each tensor (the loader waits there while a step computes)."""
     n = layout.num_pages(page_elems) * page_elems
     flat = host_buffer(n, dtype, pin)
     flat[layout.num_elems:].zero_()
     for key, a, b in read_weights(files):
         s = layout.modules[key]
         for name, t, off in (("lora_A", a, s.a_offset), ("lora_B", b, s.b_offset)):
+            pace()
             dst = flat[off:off + t.numel()]
             dst.copy_(t.flatten())
             check_finite(key, name, dst, dtype)
     return flat.view(-1, page_elems)
 
 
-def write_pages(storage: torch.Tensor, pages: list[int], packed: torch.Tensor) -> None:
-    """packed [len(pages), page_elems] -> storage's rows `pages`, in order (host memory)."""
-    storage.index_copy_(0, torch.tensor(pages, dtype=torch.long), packed)
+def write_pages(storage: torch.Tensor, pages: list[int], packed: torch.Tensor, pace=_no_pause) -> None:
+    """packed [len(pages), page_elems] -> storage's rows `pages`, in order (host memory), a page at a time."""
+    for page, row in zip(pages, packed):
+        pace()
+        storage[page].copy_(row)
 
 
 class AdapterLoader:
@@ -79,8 +94,11 @@ class AdapterLoader:
         self.cuda = on_gpu
         self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="loraplex-loader",
                                        initializer=_init_thread, initargs=(nice,))
-        self.hold = threading.Event()           # tests: set() to make every job wait for release()
+        self.hold = threading.Event()           # tests: clear() to make every job wait (pause / resume)
         self.hold.set()
+        self.gate = threading.Event()           # set while no step computes: jobs run at full speed then
+        self.gate.set()
+        self._last = time.perf_counter()
 
     def load(self, files: AdapterFiles, layout: PackedLayout, pages: list[int],
              packed: torch.Tensor | None = None) -> Future:
@@ -92,10 +110,30 @@ class AdapterLoader:
     def _job(self, files, layout, pages, packed):
         self.hold.wait()
         if packed is None:
-            packed = read_packed(files, layout, self.page_elems, self.dtype, pin=self.cuda)
+            packed = read_packed(files, layout, self.page_elems, self.dtype, pin=self.cuda, pace=self._pace)
         if not self.cuda:
-            write_pages(self.storage, pages, packed)
+            write_pages(self.storage, pages, packed, pace=self._pace)
         return packed
+
+    def _pace(self) -> None:
+        """Before each piece: while a step computes, rest DUTY_REST times as long as the last piece took."""
+        now = time.perf_counter()
+        if not self.gate.is_set():
+            self.gate.wait(min(0.01, DUTY_REST * (now - self._last)))
+        self._last = time.perf_counter()
+
+    @contextlib.contextmanager
+    def step_running(self):
+        """Around a forward pass on the host: the jobs wait at their next piece until it ends. On a GPU the
+        loader only packs host memory, which the step does not contend for: the gate stays open."""
+        if self.cuda:
+            yield
+            return
+        self.gate.clear()
+        try:
+            yield
+        finally:
+            self.gate.set()
 
     def pause(self) -> None:
         """Tests: jobs started from now on wait (a slow disk) until resume()."""

@@ -110,5 +110,6 @@ class AdapterCommands:
             raise ValueError("lora_path is required (the server has no --adapter-dir)")
         path = check_load_path(path, self.lora_roots)
         await self.run(self.core.register_adapter, cmd.name, path, cmd.pinned)
+        await self.run(self.core.prefetch_adapter, cmd.name)      # its weights load beside the steps
         if self.journal is not None:
             self.journal.loaded(cmd.name, path, cmd.pinned)

@@ -1,0 +1,42 @@
+"""Where a benchmark's figures go: a JSON file of what it measured and a PNG plot beside it (matplotlib,
+headless), both under bench/results/ unless --out says otherwise."""
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def host() -> str:
+    """The CPU model and core count, as figures must name them."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import os
+    return f"{name}, {os.cpu_count()} cores"
+
+
+def write(name: str, data: dict, plot, out: str | None = None) -> tuple[Path, Path]:
+    """data -> OUT/NAME.json (with the host); plot(ax) draws on a fresh figure -> OUT/NAME.png."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    d = Path(out) if out else RESULTS
+    d.mkdir(parents=True, exist_ok=True)
+    js, png = d / f"{name}.json", d / f"{name}.png"
+    js.write_text(json.dumps({"host": host(), **data}, indent=1))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    plot(ax)
+    ax.set_title(f"{ax.get_title()}\n{host()}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    print(f"wrote {js} and {png}")
+    return js, png
