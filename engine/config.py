@@ -122,12 +122,11 @@ class SchedulerConfig:
 class LoraConfig:
     """Multi-LoRA limits, named as vLLM's flags.
 
-    max_loras: distinct adapters in one step. None (the default) leaves it to the backend: backends that
-    compute from slots (CPU, reference) get DEFAULT_SLOTS of them; the Triton backend reads adapters in
-    place in the pool's pages, so there the pool alone bounds it. max_lora_rank: the largest rank
+    max_loras: distinct adapters in one step. None (the default): as many as the pool holds, on every
+    backend (the CPU and Triton backends read adapters in place in the pool's pages; the reference
+    backend's slots grow). max_lora_rank: the largest rank
     accepted; max_cpu_loras / max_cpu_lora_bytes: the host-memory tier between disk and the page pool;
     loader_threads: the threads that load adapters beside the step (engine/lora/loader.py)."""
-    DEFAULT_SLOTS = 8
     enable_lora: bool = True
     max_loras: int | None = None
     max_lora_rank: int = 64
@@ -135,11 +134,6 @@ class LoraConfig:
     max_cpu_lora_bytes: int = 4 << 30
     starvation_steps: int = 64
     loader_threads: int = 1
-
-    @property
-    def num_slots(self) -> int:
-        """Compute slots for backends that copy adapters into slots."""
-        return self.max_loras or self.DEFAULT_SLOTS
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.request import FinishReason, Request, RequestStatus
 from engine.waiting_queue import WaitingQueue
 
+PREFETCH_AHEAD = 8   # without a cap on distinct adapters: prefetch for twice this many requests in line
+
 
 @dataclass
 class SchedulerOutput:
@@ -174,7 +176,7 @@ class Scheduler:
             self._admit(req, n, cached, out)
             budget -= n
         if adm:
-            ahead = 2 * (adm.max_distinct or adm.cfg.DEFAULT_SLOTS)
+            ahead = 2 * (adm.max_distinct or PREFETCH_AHEAD)
             self._prefetch(itertools.chain([stop] if stop else [], itertools.islice(offers, ahead)))
         for req in admitted:
             self.waiting.remove(req)

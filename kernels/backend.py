@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 
 from kernels.attention_metadata import AttentionMetadata
-from kernels.lora_layout import PackedLayout
+from kernels.lora_layout import LoraPacker, PackedLayout
 
 KVCache = tuple[torch.Tensor, torch.Tensor]   # one layer's (K, V) views of the page pool
 
@@ -68,8 +68,9 @@ class LoraStep(Protocol):
 
 
 class AdapterSlots(Protocol):
-    """The adapters a backend may compute with: a copy in compute slots beside the page pool (CPU, reference),
-    or just their page tables, read in place (Triton). A slot is a small int naming an assigned adapter.
+    """The adapters a backend may compute with: their places in the pool's pages, read in place (CPU: pointers
+    to its blocks; Triton: page tables), or a copy in compute slots (the reference backend, the oracle). A
+    slot is a small int naming an assigned adapter.
 
     Pair every check with its action: `can_assign(busy)` is True iff `assign(..., busy)` will succeed. An
     adapter in `busy` (running now) is never replaced; the least recently assigned other one may be. An
@@ -165,10 +166,17 @@ class Backend(ABC):
         [T, heads, d]; query heads share KV heads in groups (GQA)."""
 
     # -- multi-LoRA -------------------------------------------------------------------------------------
+    def lora_packer(self) -> LoraPacker:
+        """How adapters are laid out in the pool's pages for this backend's kernels (kernels/lora_layout.py):
+        by default each module's A and B row-major, one after another."""
+        return LoraPacker()
+
     @abstractmethod
-    def lora_slots(self, num_slots: int, max_rank: int, shape: ModelShape, storage: torch.Tensor) -> AdapterSlots:
-        """The adapters' compute working set: num_slots adapters of rank <= max_rank, resident in the page
-        pool `storage` ([num_pages, page_elems], the model dtype)."""
+    def lora_slots(self, num_slots: int | None, max_rank: int, shape: ModelShape,
+                   storage: torch.Tensor) -> AdapterSlots:
+        """The adapters' compute working set: adapters of rank <= max_rank resident in the page pool `storage`
+        ([num_pages, page_elems], the model dtype), packed by lora_packer(); at most num_slots at once where
+        the backend copies them into slots (None: no bound but the pool's)."""
 
     @abstractmethod
     def lora_step(self, slots: AdapterSlots, token_slots: Sequence[int], num_decode: int) -> LoraStep | None:

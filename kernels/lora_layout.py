@@ -1,20 +1,28 @@
-"""How an adapter is laid out in pages of the unified pool, without rank padding (the contract between the
-adapter loader, which writes it, and the backends, which read it).
+"""How an adapter is laid out in pages of the unified pool, without padding to any other adapter's rank (the
+contract between the adapter loader, which writes it, and the backends, which read it).
 
-The adapter's flat space is the concatenation of its pages. For every (layer, module), A [r, in] and then
-B [out, r] are stored row-major, one after another, in sorted (layer, module) order. Element e of the
-flat space lives at page `pages[e // page_elems]`, offset `e % page_elems`.
+A backend chooses its layout with a packer (`Backend.lora_packer`): `plan` places the adapter's matrices in
+its flat space, `place` writes one module's weights there. The adapter's flat space is the concatenation
+of its pages: element e lives at page `pages[e // page_elems]`, offset `e % page_elems`.
+
+- `LoraPacker` (the Triton and reference backends): for every (layer, module), A [r, in] and then B
+  [out, r] row-major, one after another, in sorted (layer, module) order (`PackedLayout.modules`).
+- kernels/cpu/lora_pack.py (the CPU backend): per (layer, fused group) blocks in its C kernels' own layout,
+  none crossing a page (`PackedLayout.blocks`), so that its kernels read them in place by pointer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+# (layer, module) -> (rank, in, out, scale): what a packer plans from (the weights are not needed)
+Shapes = dict[tuple[int, str], tuple[int, int, int, float]]
 
 
 @dataclass(frozen=True)
 class ModuleSlice:
-    a_offset: int
+    a_offset: int         # -1 in layouts that do not store modules row-major (see PackedLayout.blocks)
     b_offset: int
     rank: int
     n_in: int
@@ -23,12 +31,50 @@ class ModuleSlice:
 
 
 @dataclass(frozen=True)
+class GroupBlock:
+    """One (layer, fused group) of an adapter in the CPU kernels' layout: A at a_offset, [rank, G, in]
+    (row (k, g) is rank k of output g); each output's Bt (B transposed, times the module's scale) at
+    b_offsets[g], [rank, out_g] or, paired, [ceil(rank / 2), out_g, 2]; -1 for an output the adapter lacks
+    (its A rows are zero). Ranks below `rank` are zero rows."""
+    a_offset: int
+    b_offsets: tuple[int, ...]
+    rank: int
+
+
+@dataclass(frozen=True)
 class PackedLayout:
     modules: dict[tuple[int, str], ModuleSlice]   # (layer, module name, e.g. "q_proj") -> where it lies
     num_elems: int
+    blocks: dict[tuple[int, str], GroupBlock] = field(default_factory=dict)   # (layer, group) -> its block
 
     def num_pages(self, page_elems: int) -> int:
         return -(-self.num_elems // page_elems)
+
+
+class LoraPacker:
+    """The row-major layout above. `zero_fill`: whether the packed space must start zeroed (gaps, padding)."""
+    zero_fill = False
+
+    def plan(self, shapes: Shapes, page_elems: int) -> PackedLayout:
+        off = 0
+        mods = {}
+        for key in sorted(shapes):
+            r, n_in, n_out, scale = shapes[key]
+            mods[key] = ModuleSlice(off, off + r * n_in, r, n_in, n_out, scale)
+            off += r * (n_in + n_out)
+        return PackedLayout(mods, off)
+
+    def place(self, layout: PackedLayout, key: tuple[int, str], a: torch.Tensor, b: torch.Tensor,
+              flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Write one module's A [r, in] and B [out, r] (any float dtype; converted to flat's) into the flat
+        space -> [(name, values as stored)] for the caller's checks (NaN, infinity)."""
+        s = layout.modules[key]
+        out = []
+        for name, t, off in (("lora_A", a, s.a_offset), ("lora_B", b, s.b_offset)):
+            dst = flat[off:off + t.numel()]
+            dst.copy_(t.flatten())
+            out.append((name, dst))
+        return out
 
 
 def unpack_module(flat: torch.Tensor, s: ModuleSlice) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,8 +43,9 @@ class EngineCore:
         self.runner = ModelRunner(cfg, num_pages)
         self.adapters = self.slots = admission = None
         if cfg.lora.enable_lora:
-            self.adapters = AdapterManager(cfg.lora, cfg.model, self.pool, self.runner.storage)
-            self.slots = self.runner.backend.lora_slots(cfg.lora.num_slots, cfg.lora.max_lora_rank, cfg.model,
+            self.adapters = AdapterManager(cfg.lora, cfg.model, self.pool, self.runner.storage,
+                                           self.runner.backend.lora_packer())
+            self.slots = self.runner.backend.lora_slots(cfg.lora.max_loras, cfg.lora.max_lora_rank, cfg.model,
                                                         self.runner.storage)
             self.adapters.on_drop.append(self._adapter_dropped)
             self.kv.reclaim = self.adapters.evict_idle

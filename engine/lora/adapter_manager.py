@@ -29,11 +29,11 @@ import torch
 from engine.config import LoraConfig, ModelConfig
 from engine.lora.host_adapter import AdapterFiles, describe_adapter
 from engine.lora.host_tier import HostTier
-from engine.lora.layout import PackedLayout, plan_layout
 from engine.lora.loader import AdapterLoader
 from engine.lora.page_copier import PageCopier
 from engine.page_pool import PageKind, PagePool
 from ipc.adapter_names import check_adapter_name
+from kernels.lora_layout import LoraPacker, PackedLayout
 
 log = logging.getLogger("loraplex.lora")
 
@@ -79,12 +79,15 @@ class AdapterStats:
 
 
 class AdapterManager:
-    def __init__(self, cfg: LoraConfig, model: ModelConfig, pool: PagePool, storage: torch.Tensor):
+    def __init__(self, cfg: LoraConfig, model: ModelConfig, pool: PagePool, storage: torch.Tensor,
+                 packer: LoraPacker | None = None):
+        """packer: the compute backend's layout of adapters in pages (Backend.lora_packer)."""
         self.cfg = cfg
         self.model = model
         self.pool = pool
         self.storage = storage              # [num_pages, page_elems], shared with the KV cache
         self.page_elems = storage.shape[1]
+        self.packer = packer or LoraPacker()
         self.by_name: dict[str, Adapter] = {}
         self.by_id: dict[int, Adapter] = {}
         self.lru: OrderedDict[int, None] = OrderedDict()   # resident adapters, least recent first
@@ -95,7 +98,7 @@ class AdapterManager:
         self.next_use: dict[int, int] = {}
         self._ids = itertools.count(1)
         self.copier = PageCopier(storage)
-        self.loader = AdapterLoader(storage, model.dtype, self.copier.cuda, cfg.loader_threads)
+        self.loader = AdapterLoader(storage, model.dtype, self.packer, self.copier.cuda, cfg.loader_threads)
         self.host = HostTier(cfg.max_cpu_loras, cfg.max_cpu_lora_bytes)
         self._failed: list[tuple[Adapter, str]] = []   # failures wait_loads saw, for the next poll
         self.load_seconds: list[float] = []   # each finished load's time, for metrics to take (and clear)
@@ -114,7 +117,7 @@ class AdapterManager:
         check_adapter_name(name)
         path = Path(path)
         files = files or self.describe(path)
-        layout = plan_layout(files)
+        layout = self.packer.plan(files.module_shapes(), self.page_elems)
         need = layout.num_pages(self.page_elems)
         if pinned and self._pinned_pages() + need + self._largest_pages(need) > self.pool.num_pages:
             raise ValueError(f"adapter {name!r}: pinning it would leave no room in the pool for another adapter")

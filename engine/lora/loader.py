@@ -34,7 +34,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from engine.lora.host_adapter import AdapterFiles, check_finite, read_weights
-from kernels.lora_layout import PackedLayout
+from kernels.lora_layout import LoraPacker, PackedLayout
 
 log = logging.getLogger("loraplex.lora")
 LOADER_NICE = 0
@@ -60,20 +60,21 @@ def _no_pause() -> None:
 
 
 def read_packed(files: AdapterFiles, layout: PackedLayout, page_elems: int, dtype: torch.dtype,
-                pin: bool = False, pace=_no_pause) -> torch.Tensor:
-    """The adapter's weights straight into its page rows: -> [num_pages, page_elems] in `dtype`, zero past
-    the end; each tensor is read once (memory-mapped) and converted as it is copied into place. pace():
-    called before each tensor (the loader waits there while a step computes)."""
+                packer: LoraPacker | None = None, pin: bool = False, pace=_no_pause) -> torch.Tensor:
+    """The adapter's weights straight into its page rows, in `packer`'s layout: -> [num_pages, page_elems] in
+    `dtype`, zero where the layout leaves gaps; each tensor is read once (memory-mapped) and converted as it
+    is copied into place. pace(): called before each module (the loader rests there while a step computes)."""
+    packer = packer or LoraPacker()
     n = layout.num_pages(page_elems) * page_elems
     flat = host_buffer(n, dtype, pin)
-    flat[layout.num_elems:].zero_()
+    if packer.zero_fill:
+        flat.zero_()
+    else:
+        flat[layout.num_elems:].zero_()
     for key, a, b in read_weights(files):
-        s = layout.modules[key]
-        for name, t, off in (("lora_A", a, s.a_offset), ("lora_B", b, s.b_offset)):
-            pace()
-            dst = flat[off:off + t.numel()]
-            dst.copy_(t.flatten())
-            check_finite(key, name, dst, dtype)
+        pace()
+        for name, stored in packer.place(layout, key, a, b, flat):
+            check_finite(key, name, stored, dtype)
     return flat.view(-1, page_elems)
 
 
@@ -85,12 +86,14 @@ def write_pages(storage: torch.Tensor, pages: list[int], packed: torch.Tensor, p
 
 
 class AdapterLoader:
-    def __init__(self, storage: torch.Tensor, dtype: torch.dtype, on_gpu: bool, threads: int = 1,
+    def __init__(self, storage: torch.Tensor, dtype: torch.dtype, packer: LoraPacker, on_gpu: bool, threads: int = 1,
                  nice: int = LOADER_NICE):
-        """on_gpu: the pool is on a GPU (PageCopier.cuda): jobs pack pinned rows and leave the copy."""
+        """packer: the backend's page layout; on_gpu: the pool is on a GPU (PageCopier.cuda): jobs pack
+        pinned rows and leave the copy."""
         self.storage = storage                  # [num_pages, page_elems], the pool
         self.page_elems = storage.shape[1]
         self.dtype = dtype
+        self.packer = packer
         self.cuda = on_gpu
         self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="loraplex-loader",
                                        initializer=_init_thread, initargs=(nice,))
@@ -110,7 +113,8 @@ class AdapterLoader:
     def _job(self, files, layout, pages, packed):
         self.hold.wait()
         if packed is None:
-            packed = read_packed(files, layout, self.page_elems, self.dtype, pin=self.cuda, pace=self._pace)
+            packed = read_packed(files, layout, self.page_elems, self.dtype, self.packer, pin=self.cuda,
+                                 pace=self._pace)
         if not self.cuda:
             write_pages(self.storage, pages, packed, pace=self._pace)
         return packed

@@ -19,7 +19,8 @@ from kernels.cpu import elementwise
 from kernels.cpu.decoder import Decoder
 from kernels.cpu.linear import CpuLinear
 from kernels.cpu.lora_batch import LoraBatch
-from kernels.cpu.slots import CpuLoraSlots
+from kernels.cpu.lora_pack import GroupPacker
+from kernels.cpu.paged_adapters import CpuPagedAdapters
 from kernels.reference.backend import TorchBackend
 
 
@@ -96,10 +97,16 @@ class CpuBackend(TorchBackend):
         return c_attention.tiled_attention(q, k_cache, v_cache, meta.seq_block_tables, meta.query_tiles, scale)
 
     # -- multi-LoRA ------------------------------------------------------------------------------------
-    def lora_slots(self, num_slots: int, max_rank: int, shape: ModelShape, storage: torch.Tensor) -> CpuLoraSlots:
-        return CpuLoraSlots(num_slots, max_rank, shape, storage)
+    def lora_packer(self) -> GroupPacker:
+        """Adapters in pages as the C kernels read them: per (layer, group) blocks (kernels/cpu/lora_pack.py)."""
+        return GroupPacker(self.dtype)
 
-    def lora_step(self, slots: CpuLoraSlots, token_slots: Sequence[int], num_decode: int) -> LoraBatch | None:
+    def lora_slots(self, num_slots: int | None, max_rank: int, shape: ModelShape,
+                   storage: torch.Tensor) -> CpuPagedAdapters:
+        """Adapters read in place in their pages: no slots, no copies, no count but the pool's."""
+        return CpuPagedAdapters(max_rank, shape, storage)
+
+    def lora_step(self, slots: CpuPagedAdapters, token_slots: Sequence[int], num_decode: int) -> LoraBatch | None:
         return LoraBatch.build(slots, list(token_slots), num_decode)
 
     def decoder(self, shape, layers, kv_caches) -> Decoder | None:

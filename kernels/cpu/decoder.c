@@ -28,11 +28,10 @@
 
 /* One projection group's multi-LoRA for the step (gemm_lora.c's arguments); a == NULL: none. */
 typedef struct {
-    const uint16_t *a;
-    int64_t a_slot_stride;
+    const uint16_t *const *a;                   /* [S] each slot's A [R][G][in] */
     int R, G;
-    const uint16_t *const *b;
-    const int64_t *b_slot_stride, *out;
+    const uint16_t *const *b;                   /* [S][G]: b[s * G + g] */
+    const int64_t *out;
 } decoder_lora;
 
 typedef struct {
@@ -76,14 +75,13 @@ static void project(const decoder_args *a, const step_state *st, int l, int g, c
     if (!lo || !lo->a || st->nrows == 0) {
         gemm_for(x, K, p, y, N, a->T, K, N);
     } else {
-        const job j = make_job(x, K, p, y, N, a->T, K, N, st->rows, st->nrows, a->slot, a->rank, lo->a,
-                               lo->a_slot_stride, lo->G, lo->b, lo->b_slot_stride, lo->out, a->vp, a->vp_stride);
+        const job j = make_job(x, K, p, y, N, a->T, K, N, st->rows, st->nrows, a->slot, a->rank, lo->a, lo->G, lo->b, lo->out, a->vp, a->vp_stride);
         gemm_lora_run(&j, st->w);
 #pragma omp barrier
     }
     if (lo && lo->a && st->tasks > 0)
-        segments_for(x, K, y, N, a->seg_tok, a->seg_start, a->seg_slot, a->seg_rank, lo->a, lo->a_slot_stride, lo->G,
-                     K, lo->b, lo->b_slot_stride, lo->out, st->tasks, st->task_seg);
+        segments_for(x, K, y, N, a->seg_tok, a->seg_start, a->seg_slot, a->seg_rank, lo->a, lo->G,
+                     K, lo->b, lo->out, st->tasks, st->task_seg);
 }
 
 /* One layer, run by every thread of the region; returns this thread's attention status (0 or -2). */

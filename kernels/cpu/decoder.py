@@ -26,8 +26,8 @@ class _Layer(ctypes.Structure):
 
 
 class _Lora(ctypes.Structure):
-    _fields_ = [("a", ctypes.c_void_p), ("a_slot_stride", ctypes.c_int64), ("R", ctypes.c_int), ("G", ctypes.c_int),
-                ("b", ctypes.c_void_p), ("b_slot_stride", ctypes.c_void_p), ("out", ctypes.c_void_p)]
+    _fields_ = [("a", ctypes.c_void_p), ("R", ctypes.c_int), ("G", ctypes.c_int), ("b", ctypes.c_void_p),
+                ("out", ctypes.c_void_p)]
 
 
 class _Args(ctypes.Structure):
@@ -47,9 +47,8 @@ class DecoderLora:
     """A step's adapters as the C decoder applies them, in the op-by-op path's order: per projection group,
     the rows with a slot inside the GEMM (gemm_lora.c: row_slot, row_rank [T] int64, -1 for none; or None),
     then the segments' deltas (lora_segments_bf16: prefill tokens grouped by adapter; or None).
-    weights(layer, group) -> that group's slot weights (lora.Weights, paired B; the same object for a
-    (layer, group) every step, as LoraSlots caches them: the decoder caches their C view), or None: no
-    adapter of the step targets it."""
+    weights(layer, group) -> that group's tables for the step (lora.Weights, paired B), or None: no adapter
+    of the step targets it."""
     row_slot: torch.Tensor | None
     row_rank: torch.Tensor | None
     segments: c_lora.LoraSegments | None
@@ -83,7 +82,6 @@ class Decoder:
                    w.input_norm.data_ptr(), w.post_norm.data_ptr(), k.data_ptr(), v.data_ptr())
             for w, (k, v) in zip(layers, kv_caches)])
         self._keep = (layers, kv_caches)       # the memory behind the pointers above
-        self._lora_descs: dict[tuple, tuple] = {}   # see _descriptors
 
     @classmethod
     def create(cls, cfg, layers, kv_caches) -> "Decoder | None":
@@ -99,33 +97,24 @@ class Decoder:
         return cls(cfg, layers, kv_caches)
 
     def _descriptors(self, lora: DecoderLora) -> tuple:
-        """(the [L][4] descriptor array, the vp width) of the step's adapted groups. The slots' weight
-        views are built once per (layer, group) and never change, so the array depends only on which
-        groups the step adapts: it is built once per such set (keyed by the layer-0 views, kept alive)."""
-        first = tuple(lora.weights(0, g) for g in GROUPS)
-        key = tuple(id(w) for w in first)
-        hit = self._lora_descs.get(key)
-        if hit is None:
-            descs = (_Lora * (self.num_layers * len(GROUPS)))()
-            width = 1
-            for layer in range(self.num_layers):
-                for j, group in enumerate(GROUPS):
-                    w = lora.weights(layer, group)
-                    if w is None:
-                        continue
-                    assert w.paired and w.a.dtype == torch.bfloat16
-                    descs[layer * len(GROUPS) + j] = _Lora(
-                        w.a.data_ptr(), w.a.stride(0), w.max_rank, w.groups, ctypes.addressof(w.b_ptrs),
-                        ctypes.addressof(w.b_strides), ctypes.addressof(w.outs))
-                    width = max(width, (w.max_rank + 1) // 2 * w.groups)
-            keep = [lora.weights(layer, g) for layer in range(self.num_layers) for g in GROUPS]
-            hit = self._lora_descs[key] = (descs, width, keep)   # keep: the ids in key stay theirs
-        return hit[0], hit[1]
+        """(the [L][4] descriptor array, the vp width, what they point into) of the step's adapted groups."""
+        descs = (_Lora * (self.num_layers * len(GROUPS)))()
+        width, keep = 1, []
+        for layer in range(self.num_layers):
+            for j, group in enumerate(GROUPS):
+                w = lora.weights(layer, group)
+                if w is None:
+                    continue
+                assert w.paired and w.dtype == torch.bfloat16
+                descs[layer * len(GROUPS) + j] = _Lora(w.a, w.max_rank, w.groups, w.b, ctypes.addressof(w.outs))
+                width = max(width, (w.max_rank + 1) // 2 * w.groups)
+                keep.append(w)
+        return descs, width, keep
 
     def _set_lora(self, args: _Args, lora: DecoderLora, t: int) -> list:
         """Fill args' LoRA fields; returns what must stay alive during the call."""
-        descs, width = self._descriptors(lora)
-        keep = [descs]
+        descs, width, weights = self._descriptors(lora)
+        keep = [descs, weights]
         args.lora = ctypes.addressof(descs)
         if lora.row_slot is not None:
             slot, rank = lora.row_slot, lora.row_rank

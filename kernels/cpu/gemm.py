@@ -24,7 +24,7 @@ _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
 _ARGS = [_P, _I64, _P, _P, _I64, _I, _I, _I]
-_LORA_ARGS = [*_ARGS, _P, _P, _P, _I64, _I, _I, _P, _P, _P, _P, _I64]
+_LORA_ARGS = [*_ARGS, _P, _P, _P, _I, _I, _P, _P, _P, _I64]   # slot, rank, a, R, G, b, out, vp, vp_stride
 
 
 @functools.cache
@@ -59,17 +59,19 @@ def _fn():
 @dataclass
 class GemmLora:
     """The multi-LoRA of some rows, for Gemm.__call__ to compute inside the GEMM (gemm_lora.c): row t with
-    slot[t] >= 0 gets y[t, cols of output g] += b_g[slot, :r]^T @ (a[slot, :r, g] @ x[t]), r = rank[t].
-    slot, rank: [M] int64; a: [S, R, G, K] (rows contiguous); b_ptrs, b_strides, outs: ctypes arrays of
-    the G outputs' paired [S, ceil(R / 2), out_g, 2] buffers (slot stride in elements; out_g multiples of
-    16, summing to N; see kernels/cpu/lora_bf16.h)."""
+    slot[t] >= 0 gets y[t, cols of output g] += Bt_g(s)[:r]^T @ (A(s)[:r, g] @ x[t]), s = slot[t], r = rank[t].
+    slot, rank: [M] int64; a, b: addresses of the slots' pointer tables (lora.Weights: a[s] -> A [R_s, G, K],
+    b[s * G + g] -> paired Bt [ceil(R_s / 2), out_g, 2]); max_rank: the largest R_s; outs: ctypes array of the
+    G output widths (multiples of 16, summing to N; see kernels/cpu/lora_bf16.h)."""
     slot: torch.Tensor
     rank: torch.Tensor
-    a: torch.Tensor
-    b_ptrs: object
-    b_strides: object
+    a: int
+    max_rank: int
+    groups: int
+    in_features: int
+    b: int
     outs: object
-    owner: object = None   # what keeps the buffers behind b_ptrs alive (the lora.Weights)
+    owner: object = None   # what keeps the tables behind a and b alive (the lora.Weights)
 
 
 def supports(dtype: torch.dtype, in_features: int) -> bool:
@@ -113,13 +115,11 @@ class Gemm:
         if lora is None:
             rc = self.fn(*args)
         else:
-            _, r, g, k = lora.a.shape
-            assert lora.slot.shape == lora.rank.shape == (m,) and k == self.in_features
-            assert lora.a.stride()[1:] == (g * k, k, 1) and lora.a.dtype == torch.bfloat16
+            r, g = lora.max_rank, lora.groups
+            assert lora.slot.shape == lora.rank.shape == (m,) and lora.in_features == self.in_features
             v = torch.empty(m, (r + 1) // 2 * g, dtype=torch.int32)   # the shrink's results as bf16 pairs (scratch)
-            rc = self.fns["lora"](*args, lora.slot.data_ptr(), lora.rank.data_ptr(), lora.a.data_ptr(),
-                                  lora.a.stride(0),
-                                r, g, lora.b_ptrs, lora.b_strides, lora.outs, v.data_ptr(), v.stride(0))
+            rc = self.fns["lora"](*args, lora.slot.data_ptr(), lora.rank.data_ptr(), lora.a, r, g, lora.b, lora.outs,
+                                  v.data_ptr(), v.stride(0))
         if rc != 0:
             name = "gemm" if lora is None else "gemm_lora_bf16"
             raise RuntimeError(f"{name} failed with code {rc} (K={self.in_features}, N={self.out_features})")

@@ -30,8 +30,7 @@ typedef struct {
     int M, K, N, nblocks, mblocks, mc;
     const int64_t *rows;      /* the rows with an adapter */
     int nrows;
-    const uint16_t *a;
-    int64_t a_slot_stride;
+    const uint16_t *const *a; /* [S] each slot's A */
     lora_args l;
     uint32_t *vp;
     int64_t vp_stride;
@@ -69,7 +68,7 @@ static void run_tile(const job *j, int c0, int c1, int task, const lora_args *l,
 /* phase 1's step i: the shrink of row rows[i] */
 static void shrink_step(const job *j, int i, walker *w, int fetch) {
     const int64_t t = j->rows[i], s = j->l.slot[t];
-    const uint16_t *as = j->a + s * j->a_slot_stride;
+    const uint16_t *as = j->a[s];
     const int r = (int)j->l.rank[t], n = r * j->l.G;
     if (fetch) { walker_add(w, as, (int64_t)n * j->K * 2); return; }
     float v[MAX_ROWS];
@@ -85,7 +84,7 @@ static void expand_step(const job *j, int i, walker *w, int fetch) {
     int64_t start = 0;
     for (int g = 0; g < j->l.G && start < end; g++) {
         const int64_t o = j->l.out[g], n = end - start < o ? end - start : o;
-        const uint16_t *b = j->l.b[g] + s * j->l.b_slot_stride[g];
+        const uint16_t *b = j->l.b[s * j->l.G + g];
         if (fetch) {
             for (int k = 0; k < r; k += 2) walker_add(w, b + k * o, n * 4);
         } else {
@@ -143,11 +142,10 @@ static int adapter_rows(const int64_t *slot, const int64_t *rank, int M, int R, 
 }
 
 static job make_job(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y, int64_t ys, int M, int K, int N,
-                    const int64_t *rows, int nrows, const int64_t *slot, const int64_t *rank, const uint16_t *a,
-                    int64_t a_slot_stride, int G, const uint16_t *const *b, const int64_t *b_slot_stride,
+                    const int64_t *rows, int nrows, const int64_t *slot, const int64_t *rank, const uint16_t *const *a, int G, const uint16_t *const *b,
                     const int64_t *out, uint32_t *vp, int64_t vp_stride) {
-    job j = {x, p, y, xs, ys, M, K, N, (N + NB - 1) / NB, (M + MC - 1) / MC, 0, rows, nrows, a, a_slot_stride,
-             {slot, rank, vp, vp_stride, G, b, b_slot_stride, out}, vp, vp_stride, 0};
+    job j = {x, p, y, xs, ys, M, K, N, (N + NB - 1) / NB, (M + MC - 1) / MC, 0, rows, nrows, a,
+             {slot, rank, vp, vp_stride, G, b, out}, vp, vp_stride, 0};
     j.mc = ((M + j.mblocks - 1) / j.mblocks + MR - 1) / MR * MR;
     /* phase 1 gets A's share of the adapters' bytes in columns (at least one block, when there are two) */
     const double a_share = (double)G * K / ((double)G * K + N);
@@ -169,8 +167,8 @@ static void gemm_lora_run(const job *j, walker *w) {
  * out as above; v: [M] rows of >= R * G fp32 at v_stride (scratch). 0, -1 odd K, -2 outputs that are not
  * multiples of 16 or do not add up to N, -3 a rank out of range, -4 out of memory. */
 int gemm_lora_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y, int64_t ys, int M, int K, int N,
-                   const int64_t *slot, const int64_t *rank, const uint16_t *a, int64_t a_slot_stride, int R, int G,
-                   const uint16_t *const *b, const int64_t *b_slot_stride, const int64_t *out, uint32_t *vp,
+                   const int64_t *slot, const int64_t *rank, const uint16_t *const *a, int R, int G,
+                   const uint16_t *const *b, const int64_t *out, uint32_t *vp,
                    int64_t vp_stride) {
     const int bad = check_shapes(K, N, R, G, out);
     if (bad) return bad;
@@ -179,7 +177,7 @@ int gemm_lora_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y
     if (!rows) return -4;
     const int nrows = adapter_rows(slot, rank, M, R, rows);
     if (nrows < 0) { free(rows); return nrows; }
-    const job j = make_job(x, xs, p, y, ys, M, K, N, rows, nrows, slot, rank, a, a_slot_stride, G, b, b_slot_stride,
+    const job j = make_job(x, xs, p, y, ys, M, K, N, rows, nrows, slot, rank, a, G, b,
                            out, vp, vp_stride);
     int failed = 0;
 #pragma omp parallel

@@ -19,15 +19,15 @@
 /* Multi-LoRA deltas added in the tile epilogue (gemm_lora_bf16): row t of the call gets
  *     y[t, c] += sum_k v_t[k, g] * Bt[g][slot[t]][k][c - start_g]   for k < rank[t]
  * for every column c of output g (outputs side by side, each a multiple of 16 columns); slot[t] < 0: none.
- * b[g] + s * b_slot_stride[g] is Bt in lora_bf16.h's paired layout [ceil(R / 2)][out[g]][2] (B transposed
+ * b[s * G + g] is Bt in lora_bf16.h's paired layout [ceil(R / 2)][out[g]][2] (B transposed
  * and pre-scaled, as the LoRA slots); vp + t * vp_stride holds row t's v as bf16 pairs, vp[kk * G + g]. */
 typedef struct {
     const int64_t *slot, *rank;
     const uint32_t *vp;
     int64_t vp_stride;
     int G;
-    const uint16_t *const *b;
-    const int64_t *b_slot_stride, *out;
+    const uint16_t *const *b;                   /* [S][G]: b[s * G + g] */
+    const int64_t *out;
 } lora_args;
 
 /* where a tile's columns [c0, c0 + 16 NV) sit in the outputs: vector j is output g[j] at column off[j] */
@@ -48,7 +48,7 @@ static inline col_map map_columns(const lora_args *l, int c0, int ncols) {
 /* slot s's first pair row under vector j: 16 columns x 2 ranks, one 64-byte line; pair rows 2 out[g] apart */
 static inline const uint16_t *pair_base(const lora_args *l, const col_map *cm, int64_t s, int j) {
     const int g = cm->g[j];
-    return l->b[g] + s * l->b_slot_stride[g] + 2 * (int64_t)cm->off[j];
+    return l->b[s * l->G + g] + 2 * (int64_t)cm->off[j];
 }
 
 /* acc rows [0, mr) x columns [c0, c0 + ncols) (fp32, row stride NB) <- bf16(acc) + the LoRA deltas of those

@@ -15,7 +15,7 @@ from kernels.cpu import gemm as c_gemm
 from kernels.cpu.build import has_avx2_fma, has_avx512_bf16, load_functions
 
 _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I, _P, _I64, _I, _I, _I, _P, _P, _P]
+_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I, _P, _I, _I, _I, _P, _P]
 _FNS: dict | None | bool = False   # False until first use
 _SEG: dict | None | bool = False
 
@@ -79,35 +79,40 @@ def supports_segments(dtype: torch.dtype) -> bool:
 
 
 class Weights:
-    """One layer's fused group in the slot layout: a [S, R, G, in] (rows of a slot contiguous) and
-    bs[g] [S, R, out_g] (rows contiguous), or with `paired` (see pairs_b) [S, ceil(R / 2), out_g, 2]
-    (contiguous per slot); checked once and turned into the kernel's pointer arrays."""
+    """One layer's fused group for the step's adapters ("slots" 0..S-1), as the C kernels take it: pointer
+    tables a[s] -> slot s's A [R_s, G, in] (rows contiguous, rank-major) and b[s * G + g] -> its Bt of
+    output g, [R_s, out_g] (rows contiguous) or, with `paired` (see pairs_b), [ceil(R_s / 2), out_g, 2];
+    R = max R_s, the most rank rows a token may read. The memory behind the pointers (the pool's pages,
+    or the tensors given to `of`) must outlive the step; `keep` holds what the tables were made from."""
 
-    def __init__(self, a: torch.Tensor, bs: list[torch.Tensor], paired: bool = False):
-        S, R, G, n_in = a.shape
-        assert len(bs) == G and a.stride()[1:] == (G * n_in, n_in, 1)
-        if paired:
-            P = (R + 1) // 2
-            assert all(b.shape[:2] == (S, P) and b.shape[3] == 2 and b.stride()[1:] == (2 * b.shape[2], 2, 1)
-                       for b in bs)
-        else:
-            assert all(b.shape[:2] == (S, R) and b.stride()[1:] == (b.shape[2], 1) for b in bs)
-        assert all(b.dtype == a.dtype for b in bs)
-        self.paired = paired
-        self.a, self.bs = a, bs                      # keep the views (and their storage) alive
-        self.max_rank, self.groups, self.n_in = R, G, n_in
-        self.width = sum(b.shape[2] for b in bs)
-        self.b_ptrs = (ctypes.c_void_p * G)(*[b.data_ptr() for b in bs])
-        self.b_strides = (ctypes.c_int64 * G)(*[b.stride(0) for b in bs])
-        self.outs = (ctypes.c_int64 * G)(*[b.shape[2] for b in bs])
-        self.fusable = all(b.shape[2] % 16 == 0 for b in bs)   # the GEMM epilogue works on 16 columns
+    def __init__(self, a_ptrs: torch.Tensor, b_ptrs: torch.Tensor, max_rank: int, n_in: int, outs: list[int],
+                 paired: bool, dtype: torch.dtype, keep: object = None):
+        G = len(outs)
+        assert a_ptrs.dtype == b_ptrs.dtype == torch.int64 and a_ptrs.is_contiguous() and b_ptrs.is_contiguous()
+        assert b_ptrs.numel() == G * a_ptrs.numel()
+        self.a_ptrs, self.b_ptrs, self.keep = a_ptrs, b_ptrs, keep
+        self.a, self.b = a_ptrs.data_ptr(), b_ptrs.data_ptr()
+        self.paired, self.dtype = paired, dtype
+        self.max_rank, self.groups, self.n_in = max_rank, G, n_in
+        self.width = sum(outs)
+        self.outs = (ctypes.c_int64 * G)(*outs)
+        self.fusable = all(o % 16 == 0 for o in outs)   # the GEMM epilogue works on 16 columns
 
     @classmethod
-    def of(cls, a: torch.Tensor, bs: list[torch.Tensor]) -> "Weights":
-        """From B in the plain [S, R, out] layout, paired (a copy) where this dtype's kernels want it."""
-        if pairs_b(a.dtype):
-            return cls(a, [pair_rows(b).contiguous() for b in bs], paired=True)
-        return cls(a, bs)
+    def of(cls, a: torch.Tensor, bs: list[torch.Tensor], paired: bool | None = None) -> "Weights":
+        """From dense per-slot tensors (tests and tools): a [S, R, G, in], bs[g] [S, R, out_g] plain (paired
+        here, a copy, where this dtype's kernels want it) or, with paired=True, [S, ceil(R / 2), out_g, 2]."""
+        S, R, G, n_in = a.shape
+        assert a.stride()[1:] == (G * n_in, n_in, 1) and len(bs) == G
+        if paired is None:
+            paired = pairs_b(a.dtype)
+            if paired:
+                bs = [pair_rows(b).contiguous() for b in bs]
+        for b in bs:
+            assert b.dtype == a.dtype and b[0].is_contiguous()
+        a_ptrs = torch.tensor([a[s].data_ptr() for s in range(S)], dtype=torch.int64)
+        b_ptrs = torch.tensor([bs[g][s].data_ptr() for s in range(S) for g in range(G)], dtype=torch.int64)
+        return cls(a_ptrs, b_ptrs, R, n_in, [b.shape[2] for b in bs], paired, a.dtype, keep=(a, bs))
 
 
 def _launch(fn, name: str, dtype: torch.dtype, x: torch.Tensor, y: torch.Tensor, w: Weights,
@@ -115,16 +120,17 @@ def _launch(fn, name: str, dtype: torch.dtype, x: torch.Tensor, y: torch.Tensor,
     """Call a kernel of lora_decode.c: x, y, then the token index arrays, n, then the weights' layout.
     x: [T, in]; y: [T, sum(out_g)]; rows of both contiguous."""
     assert x.stride(1) == 1 and y.stride(1) == 1 and x.shape[1] == w.n_in and y.shape[1] == w.width
-    assert x.dtype == y.dtype == w.a.dtype == dtype and w.paired == pairs_b(dtype)
+    assert x.dtype == y.dtype == w.dtype == dtype and w.paired == pairs_b(dtype)
     rc = fn(x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), *[t.data_ptr() for t in index], n,
-            w.a.data_ptr(), w.a.stride(0), w.max_rank, w.groups, w.n_in, w.b_ptrs, w.b_strides, w.outs)
+            w.a, w.max_rank, w.groups, w.n_in, w.b, w.outs)
     if rc != 0:
         raise RuntimeError(f"{name} failed with code {rc} (max rank {w.max_rank}, groups {w.groups}, in {w.n_in})")
 
 
 class LoraDecode:
-    """y[t, cols of output g] += bs[g][s, :r]^T @ (a[s, :r, g] @ x[t]) for (t, s, r) in zip(tokens, slots,
-    ranks), in place. tokens, slots, ranks: [n] (tokens distinct, ranks <= R). Requires supports(dtype)."""
+    """y[t, cols of output g] += Bt_g(s)[:r]^T @ (A(s)[:r, g] @ x[t]) for (t, s, r) in zip(tokens, slots,
+    ranks), in place (A(s), Bt_g(s): slot s's entries of the Weights' tables). tokens, slots, ranks: [n]
+    (tokens distinct, ranks <= R). Requires supports(dtype)."""
 
     def __init__(self, tokens: torch.Tensor, slots: torch.Tensor, ranks: torch.Tensor, dtype: torch.dtype):
         self.tokens, self.slots, self.ranks = (t.to(torch.int64).contiguous() for t in (tokens, slots, ranks))
@@ -139,7 +145,7 @@ class LoraDecode:
 
 class LoraSegments:
     """Prefill tokens grouped by adapter: segment i is tokens[starts[i]:starts[i + 1]], all with slot
-    slots[i] and rank ranks[i]; y[t] += bs[g][s, :r]^T @ (a[s, :r, g] @ x[t]) for each, in place, every
+    slots[i] and rank ranks[i]; y[t] += Bt_g(s)[:r]^T @ (A(s)[:r, g] @ x[t]) for each, in place, every
     token computed on its own. Requires supports_segments(dtype)."""
 
     def __init__(self, tokens: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, ranks: torch.Tensor,
@@ -171,4 +177,4 @@ class LoraRows:
 
     def __call__(self, w: Weights) -> c_gemm.GemmLora:
         assert w.fusable and w.paired
-        return c_gemm.GemmLora(self.row_slot, self.row_rank, w.a, w.b_ptrs, w.b_strides, w.outs, w)
+        return c_gemm.GemmLora(self.row_slot, self.row_rank, w.a, w.max_rank, w.groups, w.n_in, w.b, w.outs, w)

@@ -4,7 +4,7 @@
  * Bt_g[s] is [R, out_g] (already multiplied by the module's scale); only the first r ranks are read.
  *
  * x: rows of `in` values at stride x_stride; y: rows at stride y_stride, outputs side by side.
- * A and every Bt_g are addressed per slot: a + s * a_slot_stride, b[g] + s * b_slot_stride[g].
+ * A and every Bt_g are addressed per slot: a[s], b[s * G + g].
  * Each adapter's weights are streamed once, front to back; the shrink keeps v in fp32 and the expand
  * accumulates a whole y row in fp32 before one rounding. Parallel over tokens with OpenMP.
  * Builds: fp32 and plain-C bf16 (DEFINE_LORA); bf16 with AVX512-BF16 (lora_bf16.h) or with AVX2 + FMA
@@ -27,8 +27,8 @@ static inline void prefetch(const void *p, int64_t bytes) {
 
 #define DEFINE_LORA(NAME, T, LOAD, STORE)                                                                    \
 int NAME(const T *x, int64_t x_stride, T *y, int64_t y_stride, const int64_t *tok, const int64_t *slot,       \
-         const int64_t *rank, int n, const T *a, int64_t a_slot_stride, int R, int G, int in,                \
-         const T *const *b, const int64_t *b_slot_stride, const int64_t *out) {                               \
+         const int64_t *rank, int n, const T *const *a, int R, int G, int in,                \
+         const T *const *b, const int64_t *out) {                               \
     if (G > MAX_GROUPS || R * G > MAX_RANK_ROWS || in > MAX_IN) return -1;                                   \
     for (int i = 0; i < n; i++) if (rank[i] < 0 || rank[i] > R) return -3;                                   \
     int64_t width = 0;                                                                                        \
@@ -43,9 +43,9 @@ int NAME(const T *x, int64_t x_stride, T *y, int64_t y_stride, const int64_t *to
         float *xf = buf, *acc = buf + in, v[MAX_RANK_ROWS];                                                  \
         const T *xt = x + t * x_stride;                                                                       \
         for (int j = 0; j < in; j++) xf[j] = LOAD(xt[j]);                                                     \
-        const T *as = a + s * a_slot_stride;                                                                  \
+        const T *as = a[s];                                                                  \
         prefetch(as, 8 * in * sizeof(T));       /* the starts of A and of every B of this slot */            \
-        for (int g = 0; g < G; g++) prefetch(b[g] + s * b_slot_stride[g], 4 * out[g] * sizeof(T));           \
+        for (int g = 0; g < G; g++) prefetch(b[s * G + g], 4 * out[g] * sizeof(T));           \
         int row = 0;                                                                                          \
         for (; row + 4 <= r * G; row += 4) {      /* four rows at a time: independent FMA chains */          \
             const T *a0 = as + (int64_t)row * in, *a1 = a0 + in, *a2 = a1 + in, *a3 = a2 + in;               \
@@ -69,7 +69,7 @@ int NAME(const T *x, int64_t x_stride, T *y, int64_t y_stride, const int64_t *to
         for (int64_t j = 0; j < width; j++) acc[j] = 0.f;                                                     \
         int64_t col = 0;                                                                                      \
         for (int g = 0; g < G; g++) {                                                                         \
-            const T *bs = b[g] + s * b_slot_stride[g];                                                        \
+            const T *bs = b[s * G + g];                                                        \
             const int64_t o = out[g];                                                                         \
             float *ag = acc + col;                                                                            \
             int k = 0;                                                                                        \
@@ -124,8 +124,8 @@ DEFINE_LORA(lora_decode_f32, float, f32_id, f32_id)
  * lora_bf16.h ([ceil(R / 2)][out_g][2]) and the intermediate A x is rounded to bf16 before the expand (as
  * a bf16 LoRA does); ~3x fewer instructions per weight byte. */
 int lora_decode_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const int64_t *tok,
-                     const int64_t *slot, const int64_t *rank, int n, const uint16_t *a, int64_t a_slot_stride,
-                     int R, int G, int in, const uint16_t *const *b, const int64_t *b_slot_stride,
+                     const int64_t *slot, const int64_t *rank, int n, const uint16_t *const *a,
+                     int R, int G, int in, const uint16_t *const *b,
                      const int64_t *out) {
     if (G > MAX_GROUPS || R * G > MAX_RANK_ROWS || in > MAX_IN) return -1;
     for (int i = 0; i < n; i++) if (rank[i] < 0 || rank[i] > R) return -3;
@@ -135,15 +135,15 @@ int lora_decode_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y
         uint32_t vp[MAX_RANK_ROWS];
         const int64_t t = tok[i], s = slot[i];
         const int r = (int)rank[i];
-        const uint16_t *as = a + s * a_slot_stride;
+        const uint16_t *as = a[s];
         prefetch(as, 8 * (int64_t)in * sizeof(uint16_t));   /* the first rows of A, the first chunks of B's rows */
         for (int g = 0; g < G; g++)
-            for (int k = 0; k < r; k += 2) prefetch(b[g] + s * b_slot_stride[g] + k * out[g], 256);
+            for (int k = 0; k < r; k += 2) prefetch(b[s * G + g] + k * out[g], 256);
         shrink_bf16(x + t * x_stride, as, r * G, in, v);
         pair_v(v, r, G, vp);
         uint16_t *yt = y + t * y_stride;
         for (int g = 0; g < G; g++) {
-            expand_pairs_bf16(b[g] + s * b_slot_stride[g], out[g], out[g], r, vp + g, G, yt);
+            expand_pairs_bf16(b[s * G + g], out[g], out[g], r, vp + g, G, yt);
             yt += out[g];
         }
     }
@@ -220,8 +220,7 @@ static void expand_tile_bf16(const uint16_t *bs, int64_t o, int r, uint32_t vp[T
  * its own parallel region). */
 static void segments_for(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const int64_t *tok,
                          const int64_t *seg_start, const int64_t *seg_slot, const int64_t *seg_rank,
-                         const uint16_t *a, int64_t a_slot_stride, int G, int in, const uint16_t *const *b,
-                         const int64_t *b_slot_stride, const int64_t *out, int64_t tasks, const int64_t *task_seg) {
+                         const uint16_t *const *a, int G, int in, const uint16_t *const *b, const int64_t *out, int64_t tasks, const int64_t *task_seg) {
     const int64_t *task_first = task_seg + tasks + 1;
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < tasks; task++) {
@@ -238,13 +237,13 @@ static void segments_for(const uint16_t *x, int64_t x_stride, uint16_t *y, int64
         }
         float v[TT][MAX_RANK_ROWS];
         uint32_t vp[TT][MAX_RANK_ROWS];
-        shrink_tile_bf16(xs, a + s * a_slot_stride, r * G, in, v);
+        shrink_tile_bf16(xs, a[s], r * G, in, v);
         for (int tt = 0; tt < TT; tt++) pair_v(v[tt], r, G, vp[tt]);
         int64_t col = 0;
         for (int g = 0; g < G; g++) {
             uint16_t *yg[TT];
             for (int tt = 0; tt < TT; tt++) yg[tt] = ys[tt] + col;
-            expand_tile_bf16(b[g] + s * b_slot_stride[g], out[g], r, vp, g, G, yg, nt);
+            expand_tile_bf16(b[s * G + g], out[g], r, vp, g, G, yg, nt);
             col += out[g];
         }
     }
@@ -253,11 +252,9 @@ static void segments_for(const uint16_t *x, int64_t x_stride, uint16_t *y, int64
 /* lora_segments_bf16's tasks (see segment_tasks) in a parallel region of their own: 0 */
 static int segments_run(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const int64_t *tok,
                         const int64_t *seg_start, const int64_t *seg_slot, const int64_t *seg_rank,
-                        const uint16_t *a, int64_t a_slot_stride, int G, int in, const uint16_t *const *b,
-                        const int64_t *b_slot_stride, const int64_t *out, int64_t tasks, const int64_t *task_seg) {
+                        const uint16_t *const *a, int G, int in, const uint16_t *const *b, const int64_t *out, int64_t tasks, const int64_t *task_seg) {
 #pragma omp parallel
-    segments_for(x, x_stride, y, y_stride, tok, seg_start, seg_slot, seg_rank, a, a_slot_stride, G, in, b,
-                 b_slot_stride, out, tasks, task_seg);
+    segments_for(x, x_stride, y, y_stride, tok, seg_start, seg_slot, seg_rank, a, G, in, b, out, tasks, task_seg);
     return 0;
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -265,29 +262,28 @@ static int segments_run(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_
 
 /* token i of a thread's run [.., end): its delta, prefetching token i + 1's adapter meanwhile (pf may be NULL) */
 static void lora_tokens_step(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const int64_t *tok,
-                             const int64_t *slot, const int64_t *rank, int i, int end, const uint16_t *a,
-                             int64_t a_slot_stride, int G, int in, const uint16_t *const *b, const int64_t *b_slot_stride,
+                             const int64_t *slot, const int64_t *rank, int i, int end, const uint16_t *const *a, int G, int in, const uint16_t *const *b,
                              const int64_t *out, float *xs, float *v, walker *pf) {
     const uint16_t *bg[MAX_GROUPS], *bn[MAX_GROUPS];
     const int64_t t = tok[i], s = slot[i];
     const int r = (int)rank[i];
-    for (int g = 0; g < G; g++) bg[g] = b[g] + s * b_slot_stride[g];
+    for (int g = 0; g < G; g++) bg[g] = b[s * G + g];
     if (pf && i + 1 < end && slot[i + 1] != s) {
-        for (int g = 0; g < G; g++) bn[g] = b[g] + slot[i + 1] * b_slot_stride[g];
-        walk_token(pf, a + slot[i + 1] * a_slot_stride, (int)rank[i + 1], G, in, bn, out, token_steps(r, G, in, out));
+        for (int g = 0; g < G; g++) bn[g] = b[slot[i + 1] * G + g];
+        walk_token(pf, a[slot[i + 1]], (int)rank[i + 1], G, in, bn, out, token_steps(r, G, in, out));
     } else if (pf) {
         walker_reset(pf);
     }
     split_row(x + t * x_stride, in, xs);
-    lora_token_avx2(xs, y + t * y_stride, a + s * a_slot_stride, r, G, in, bg, out, v, pf);
+    lora_token_avx2(xs, y + t * y_stride, a[s], r, G, in, bg, out, v, pf);
 }
 
 /* bf16 on AVX2 + FMA: the contract of DEFINE_LORA (B plain, the intermediate A x in fp32), computed by
  * lora_avx2.h in its fixed per-token order: the same bits as the segment kernel below and as the
  * GEMM-fused path of gemm_avx2.c. */
 int lora_decode_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const int64_t *tok,
-                     const int64_t *slot, const int64_t *rank, int n, const uint16_t *a, int64_t a_slot_stride,
-                     int R, int G, int in, const uint16_t *const *b, const int64_t *b_slot_stride,
+                     const int64_t *slot, const int64_t *rank, int n, const uint16_t *const *a,
+                     int R, int G, int in, const uint16_t *const *b,
                      const int64_t *out) {
     if (G > MAX_GROUPS || R * G > MAX_RANK_ROWS || in > MAX_IN) return -1;
     for (int i = 0; i < n; i++) if (rank[i] < 0 || rank[i] > R) return -3;
@@ -302,8 +298,8 @@ int lora_decode_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y
         }
         const int nth = omp_get_num_threads(), tid = omp_get_thread_num();
         for (int i = n * tid / nth; i < n * (tid + 1) / nth && xs; i++)
-            lora_tokens_step(x, x_stride, y, y_stride, tok, slot, rank, i, n * (tid + 1) / nth, a, a_slot_stride, G, in,
-                             b, b_slot_stride, out, xs, v, pf);
+            lora_tokens_step(x, x_stride, y, y_stride, tok, slot, rank, i, n * (tid + 1) / nth, a, G, in,
+                             b, out, xs, v, pf);
         free(xs);
         free(pf);
     }
@@ -318,8 +314,7 @@ int lora_decode_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y
  * 0, or -2 when a thread's scratch could not be allocated. */
 static int segments_run(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const int64_t *tok,
                         const int64_t *seg_start, const int64_t *seg_slot, const int64_t *seg_rank,
-                        const uint16_t *a, int64_t a_slot_stride, int G, int in, const uint16_t *const *b,
-                        const int64_t *b_slot_stride, const int64_t *out, int64_t tasks, const int64_t *task_seg) {
+                        const uint16_t *const *a, int G, int in, const uint16_t *const *b, const int64_t *out, int64_t tasks, const int64_t *task_seg) {
     const int64_t *task_first = task_seg + tasks + 1;
     int failed = 0;
 #pragma omp parallel
@@ -336,7 +331,7 @@ static int segments_run(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_
             const int64_t i = task_seg[task], first = task_first[task], s = seg_slot[i];
             const int nt = (int)(seg_start[i + 1] - first < TT ? seg_start[i + 1] - first : TT);
             const int r = (int)seg_rank[i], rows = r * G;
-            const uint16_t *as = a + s * a_slot_stride;
+            const uint16_t *as = a[s];
             uint16_t *ys[TT];
             for (int t = 0; t < nt; t++) {
                 split_row(x + tok[first + t] * x_stride, in, xs + t * PADDED(in));
@@ -373,7 +368,7 @@ static int segments_run(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_
                 const float *vg[TT];
                 uint16_t *yg[TT];
                 for (int t = 0; t < nt; t++) { vg[t] = v + t * MAX_RANK_ROWS + g; yg[t] = ys[t] + col; }
-                expand_avx2(b[g] + s * b_slot_stride[g], out[g], r, vg, G, yg, nt, 0);
+                expand_avx2(b[s * G + g], out[g], r, vg, G, yg, nt, 0);
                 col += out[g];
             }
         }
@@ -393,14 +388,13 @@ DEFINE_LORA(lora_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
  * -3 a bad segment; -2 out of memory. */
 int lora_segments_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const int64_t *tok,
                        const int64_t *seg_start, const int64_t *seg_slot, const int64_t *seg_rank, int n_seg,
-                       const uint16_t *a, int64_t a_slot_stride, int R, int G, int in, const uint16_t *const *b,
-                       const int64_t *b_slot_stride, const int64_t *out) {
+                       const uint16_t *const *a, int R, int G, int in, const uint16_t *const *b, const int64_t *out) {
     if (G > MAX_GROUPS || R * G > MAX_RANK_ROWS || in > MAX_IN) return -1;
     int64_t tasks = 0, *task_seg = NULL;
     const int rc = segment_tasks(seg_start, seg_rank, n_seg, R, TT, &tasks, &task_seg);
     if (rc) return rc;
-    const int ran = segments_run(x, x_stride, y, y_stride, tok, seg_start, seg_slot, seg_rank, a, a_slot_stride, G,
-                                 in, b, b_slot_stride, out, tasks, task_seg);
+    const int ran = segments_run(x, x_stride, y, y_stride, tok, seg_start, seg_slot, seg_rank, a, G,
+                                 in, b, out, tasks, task_seg);
     free(task_seg);
     return ran;
 }

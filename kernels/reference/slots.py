@@ -1,4 +1,6 @@
-"""The adapters' compute working set: `num_slots` slots holding active adapters in a batch-friendly layout.
+"""The reference backend's adapters (the oracle): `num_slots` slots holding active adapters in a batch-friendly
+layout; with num_slots None (max_loras unset) the slots grow as a step needs more, so no count bounds a
+step but the pool's. The CPU and Triton backends read adapters in place instead.
 
 The page pool is the adapters' home (no rank padding); a slot is a copy of one resident adapter, read
 from its pages through the page table when the adapter starts running, laid out so every layer's LoRA
@@ -34,10 +36,11 @@ GROUPS = {"qkv": ("a_qkv", ("b_q", "b_k", "b_v"), ("q_proj", "k_proj", "v_proj")
 class LoraSlots:
     """Implements kernels.backend.AdapterSlots in the plain layout above."""
 
-    def __init__(self, num_slots: int, max_rank: int, shape, storage: torch.Tensor):
+    def __init__(self, num_slots: int | None, max_rank: int, shape, storage: torch.Tensor):
         self.storage = storage               # the page pool [num_pages, page_elems]
-        S, R, L, H, I = num_slots, max_rank, shape.num_layers, shape.hidden_size, shape.intermediate_size
-        self.num_slots = self.capacity = S
+        self.capacity = num_slots            # None: grow (_grow) rather than refuse
+        S, R, L, H, I = num_slots or 4, max_rank, shape.num_layers, shape.hidden_size, shape.intermediate_size
+        self.num_slots = S
         self.dtype = shape.dtype
         self.max_rank = R
         self.max_in = max(H, shape.q_size, I)      # the widest input a LoRA A reads
@@ -74,7 +77,15 @@ class LoraSlots:
         return adapter_id in self.slot_of
 
     def can_assign(self, busy: set[int]) -> bool:
-        return len(self.slot_of) < self.num_slots or any(a not in busy for a in self.lru)
+        return self.capacity is None or len(self.slot_of) < self.num_slots or any(a not in busy for a in self.lru)
+
+    def _grow(self) -> None:
+        """Twice the slots (unbounded slots only), the assigned adapters kept where they are."""
+        for name, buf in self.buf.items():
+            bigger = self._zeros(*buf.shape[:1], 2 * buf.shape[1], *buf.shape[2:])
+            bigger[:, : buf.shape[1]].copy_(buf)
+            self.buf[name] = bigger
+        self.num_slots *= 2
 
     def assign(self, adapter_id: int, layout: PackedLayout, pages, busy: set[int]) -> int:
         """Copy an adapter from its pages into a slot, replacing the least recently used adapter that is not
@@ -82,6 +93,8 @@ class LoraSlots:
         if adapter_id in self.slot_of:
             self.lru.move_to_end(adapter_id)
             return self.slot_of[adapter_id]
+        if len(self.slot_of) >= self.num_slots and self.capacity is None:
+            self._grow()
         if len(self.slot_of) < self.num_slots:
             slot = min(set(range(self.num_slots)) - set(self.slot_of.values()))
         else:

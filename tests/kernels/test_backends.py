@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from kernels.attention_metadata import AttentionMetadata, MetadataBuilder
-from kernels.lora_layout import ModuleSlice, PackedLayout
 from tests.kernels.backends import DEVICE, SHAPE, TOL, available_backends, backend
 
 BACKENDS = [b for b in available_backends() if b != "torch"]
@@ -92,20 +91,22 @@ GROUP_MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_
                  "down": ("down_proj",)}
 
 
-def random_adapter(rank, modules, seed, dtype):
-    """A PackedLayout over SHAPE's projections and its flat pages (the adapter loader's contract)."""
+def random_adapter(rank, modules, seed, dtype, packer, page):
+    """An adapter over SHAPE's projections as `packer` (the backend's) lays it out: (PackedLayout, its flat
+    pages' contents), what the adapter loader writes."""
     s = SHAPE
     dims = {"q_proj": (s.hidden_size, s.q_size), "k_proj": (s.hidden_size, s.kv_size),
             "v_proj": (s.hidden_size, s.kv_size), "o_proj": (s.q_size, s.hidden_size),
             "gate_proj": (s.hidden_size, s.intermediate_size), "up_proj": (s.hidden_size, s.intermediate_size),
             "down_proj": (s.intermediate_size, s.hidden_size)}
-    slices, off = {}, 0
-    for layer in range(s.num_layers):
-        for m in sorted(modules):
-            n_in, n_out = dims[m]
-            slices[(layer, m)] = ModuleSlice(off, off + rank * n_in, rank, n_in, n_out, 2.0 / rank)
-            off += rank * (n_in + n_out)
-    return PackedLayout(slices, off), randn(off, dtype=dtype, seed=seed, scale=0.2)
+    shapes = {(layer, m): (rank, *dims[m], 2.0 / rank) for layer in range(s.num_layers) for m in sorted(modules)}
+    layout = packer.plan(shapes, page)
+    flat = torch.zeros(layout.num_pages(page) * page, dtype=dtype)
+    for i, (key, (r, n_in, n_out, _)) in enumerate(sorted(shapes.items())):
+        a = randn(r, n_in, dtype=dtype, seed=seed * 1000 + 2 * i, scale=0.2)
+        b = randn(n_out, r, dtype=dtype, seed=seed * 1000 + 2 * i + 1, scale=0.2)
+        packer.place(layout, key, a, b, flat)
+    return layout, flat
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -123,14 +124,16 @@ def test_lora_step_projects_like_the_reference(name, dtype, spread):
     num_decode = {"decode-distinct": 8, "mixed": 6}.get(spread, 0)
     results = []
     for b in (backend(name, dtype), backend("torch", dtype)):
-        storage = torch.zeros(1200, PAGE, dtype=dtype, device=DEVICE)
+        # NOTE: the CPU backend keeps each (layer, group) block inside a page: larger pages there
+        page, num_pages = (PAGE, 1200) if b.name != "cpu" else (1 << 15, 120)
+        storage = torch.zeros(num_pages, page, dtype=dtype, device=DEVICE)
         slots = b.lora_slots(6, 64, b.shape, storage)
-        free = list(range(1199, 0, -3))                          # pages out of order, not contiguous
+        free = list(range(num_pages - 1, 0, -3))                 # pages out of order, not contiguous
         for aid, (rank, mods) in adapters.items():
-            layout, flat = random_adapter(rank, mods, aid, dtype)
-            n = layout.num_pages(PAGE)
+            layout, flat = random_adapter(rank, mods, aid, dtype, b.lora_packer(), page)
+            n = layout.num_pages(page)
             pages, free = free[:n], free[n:]
-            storage[pages] = torch.cat([flat, flat.new_zeros(n * PAGE - len(flat))]).view(n, PAGE)
+            storage[pages] = flat.view(n, page).to(DEVICE)
             slots.assign(aid, layout, pages, busy=set())
         token_slots = [slots.slot_of[a] if a else -1 for a in token_adapters]
         step = b.lora_step(slots, token_slots, num_decode)

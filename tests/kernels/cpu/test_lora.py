@@ -68,12 +68,12 @@ def test_rank_above_max_is_refused():
 
 def test_ranks_beyond_the_compiled_limit_fall_back():
     from kernels.cpu import lora_batch
-    from kernels.cpu.slots import CpuLoraSlots
+    from kernels.cpu.paged_adapters import CpuPagedAdapters
     from tests.engine.lora.synthetic import TINY
     assert c_lora.fits(256, 8192) and not c_lora.fits(257, 8192)
     pool = torch.zeros(1, 1)
-    assert not lora_batch.use_c_kernel(CpuLoraSlots(1, 512, TINY, pool))
-    assert lora_batch.use_c_kernel(CpuLoraSlots(1, 16, TINY, pool))
+    assert not lora_batch.use_c_kernel(CpuPagedAdapters(512, TINY, pool))
+    assert lora_batch.use_c_kernel(CpuPagedAdapters(16, TINY, pool))
 
 
 @pytest.mark.skipif(not c_lora.supports_segments(torch.bfloat16), reason="no AVX512-BF16 or AVX2 here")
