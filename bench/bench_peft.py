@@ -1,9 +1,11 @@
 """S-LoRA's experiment on this machine: loraplex against Hugging Face transformers + PEFT, many adapters.
 
-(1) `--experiment peft`: N requests (default 64), each on its own rank-16 adapter on all seven
-    projections, P prompt + O new tokens (EOS ignored), bf16, same process: loraplex, then PEFT's
-    mixed-adapter batch (`generate(..., adapter_names=[one per row])`, PEFT's own multi-adapter path).
-    Prints both output tokens/s and the ratio (the target after the open issues: 10x).
+(1) `--experiment peft`: N requests (default 64) over N adapters of ranks 8 / 16 / 32 on all seven
+    projections, P prompt + O new tokens (EOS ignored), bf16, loraplex at its defaults (`LLM()`, no flags),
+    in one process: the adapters picked uniformly (request i on adapter i) and by Zipf(1.2); loraplex on
+    the base model alone (same prompts); PEFT's mixed-adapter batch (`generate(..., adapter_names=[one per
+    row])`, its own multi-adapter path) for both picks. Prints output tokens/s and the ratios (goals: >= 10x
+    PEFT, >= 0.85x loraplex's base model); writes bench/results/peft.json and .png.
 (2) `--experiment sweep`: loraplex alone with 1, 8, 64, 256 and 1,000 adapters, each of R requests on
     one drawn uniformly (rank 8 / 16 adapters on q and v, as bench_lora (b)), the pool holding the KV of
     the batch and about `--resident` adapters: throughput should stay flat. Prints loads and evictions.
@@ -27,27 +29,50 @@ from engine.model_runner import page_elems
 
 
 def experiment_peft(args, work: Path) -> None:
+    import random
+
+    from bench.bench_serving import zipf_picks
+    from bench.output import write
     cfg = EngineConfig.create(dtype=args.dtype).model
-    dirs = [write_peft_adapter(work / f"a{i}", cfg, 16, ALL, seed=i) for i in range(args.num)]
-    names = [f"a{i}" for i in range(args.num)]
+    ranks = (8, 16, 32)
+    dirs = [write_peft_adapter(work / f"m{i}", cfg, ranks[i % 3], ALL, seed=i) for i in range(args.num)]
+    names = [f"m{i}" for i in range(args.num)]
+    picks = {"uniform": names, "zipf": [names[i] for i in zipf_picks(args.num, args.num, 1.2, random.Random(0))]}
     prompts = prompts_for(args.num, args.prompt_len)
-    print(f"(1) {args.num} requests x {args.prompt_len}+{args.out_len} tokens, each its own rank-16 adapter on "
-          f"all seven projections, {args.dtype}")
-    llm = LLM(dtype=args.dtype, max_num_seqs=args.num, max_loras=args.num, max_lora_rank=16,
-              max_num_batched_tokens=2048, enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30)
+    print(f"(1) {args.num} requests x {args.prompt_len}+{args.out_len} tokens over {args.num} adapters of ranks "
+          f"8/16/32 on all seven projections, {args.dtype}; loraplex at its defaults (LLM(dtype={args.dtype!r}))")
+    llm = LLM(dtype=args.dtype)
     for name, d in zip(names, dirs):
         llm.register_adapter(name, str(d))
-    run_loraplex(llm, prompts[:4], names[:4], 4)                # warm-up
-    ours = run_loraplex(llm, prompts, names, args.out_len)
-    print(f"    loraplex           : {ours:8.1f} tok/s")
+    run_loraplex(llm, prompts, names, 2)                        # warm-up: every adapter loaded once
+    ours = {k: run_loraplex(llm, prompts, v, args.out_len) for k, v in picks.items()}
+    base = run_loraplex(llm, prompts, [None] * args.num, args.out_len)
+    print(f"    loraplex, base model : {base:8.1f} tok/s")
+    for k, v in ours.items():
+        print(f"    loraplex, {k:10s} : {v:8.1f} tok/s   ({v / base:.2f}x its base model; goal >= 0.85x)")
     llm.engine.adapters.close()
     del llm
-    theirs = run_peft(args, dirs, names, prompts)
-    print(f"    transformers + PEFT: {theirs:8.1f} tok/s   (generate with adapter_names, one adapter per row)")
-    print(f"    ratio              : {ours / theirs:.1f}x PEFT (target 10x)")
+    theirs = run_peft(args, dirs, names, prompts, picks)
+    res = {"base_tok_s": base, "loraplex_tok_s": ours, "peft_tok_s": theirs,
+           "x_peft": {k: ours[k] / theirs[k] for k in picks}, "x_base": {k: ours[k] / base for k in picks}}
+    for k in picks:
+        print(f"    transformers + PEFT, {k:7s}: {theirs[k]:8.1f} tok/s   -> loraplex {res['x_peft'][k]:.1f}x PEFT "
+              f"(goal >= 10x)")
+
+    def plot(ax):
+        labels = ["base model", *[f"adapters, {k}" for k in picks]]
+        ax.bar([x - 0.2 for x in range(3)], [base, *ours.values()], width=0.4, label="loraplex (defaults)")
+        ax.bar([x + 0.2 for x in (1, 2)], list(theirs.values()), width=0.4, label="transformers + PEFT")
+        ax.set_xticks(range(3), labels)
+        ax.set_ylabel("output tokens / s")
+        ax.legend()
+        ax.set_title(f"bench_peft: {args.num} requests over {args.num} adapters (ranks 8/16/32, all projections), "
+                     f"{args.dtype}")
+    write("peft", {"args": vars(args), **res}, plot)
 
 
-def run_peft(args, dirs, names, prompts) -> float:
+def run_peft(args, dirs, names, prompts, picks: dict) -> dict[str, float]:
+    """PEFT's tokens/s for each pick of adapters (one generate call over every row)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -61,14 +86,16 @@ def run_peft(args, dirs, names, prompts) -> float:
     print(f"    (PEFT loaded {len(names)} adapters in {time.perf_counter() - t:.1f} s)")
     ids = torch.tensor(prompts)
     kw = dict(do_sample=False, pad_token_id=0)
+    out = {}
     with torch.no_grad():
         model.generate(input_ids=ids[:2], attention_mask=torch.ones_like(ids[:2]), max_new_tokens=4,
                        adapter_names=names[:2], **kw)
-        t = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.out_len,
-                             min_new_tokens=args.out_len, adapter_names=names, **kw)
-        dt = time.perf_counter() - t
-    return (out.shape[1] - ids.shape[1]) * ids.shape[0] / dt
+        for k, rows in picks.items():
+            t = time.perf_counter()
+            gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.out_len,
+                                 min_new_tokens=args.out_len, adapter_names=rows, **kw)
+            out[k] = (gen.shape[1] - ids.shape[1]) * ids.shape[0] / (time.perf_counter() - t)
+    return out
 
 
 def experiment_sweep(args, work: Path) -> None:

@@ -14,7 +14,17 @@ RUNNING = Gauge("loraplex_requests_running", "Requests running in the engine", m
 WAITING = Gauge("loraplex_requests_waiting", "Requests waiting in the engine", multiprocess_mode="mostrecent")
 POOL_PAGES = Gauge("loraplex_pool_pages", "Pages of the unified pool by kind", ["kind"],
                    multiprocess_mode="mostrecent")
-ADAPTERS = Gauge("loraplex_adapters", "Adapters per tier", ["tier"], multiprocess_mode="mostrecent")
+ADAPTERS = Gauge("loraplex_adapters", "Adapters per tier: resident, loading, host, registered, listed (in "
+                 "--adapter-dir, not read yet or read)", ["tier"], multiprocess_mode="mostrecent")
+ADAPTER_BYTES = Gauge("loraplex_adapter_bytes", "Adapter bytes per tier: pool (pages held), host (packed copies), "
+                      "disk (weight files of the registered adapters)", ["tier"], multiprocess_mode="mostrecent")
+ADAPTER_LOADS_IN_FLIGHT = Gauge("loraplex_adapter_loads_in_flight", "Adapter loads started and not finished",
+                                multiprocess_mode="mostrecent")
+ADAPTER_LOAD_SECONDS = Histogram("loraplex_adapter_load_seconds", "An adapter load, from its start to its pages "
+                                 "being ready", buckets=_LAT)
+ADAPTER_LOAD_WAIT = Histogram("loraplex_adapter_load_wait_seconds", "Time a request waited for its adapter's load "
+                              "(cold starts only)", buckets=_LAT)
+ADAPTER_FAILED_LOADS = Counter("loraplex_adapter_failed_loads", "Adapter loads that failed (their requests fail)")
 ADAPTER_LOADS = Counter("loraplex_adapter_loads", "Adapter loads into the pool")
 ADAPTER_EVICTIONS = Counter("loraplex_adapter_evictions", "Adapters evicted from the pool")
 ADAPTER_COLD_STARTS = Counter("loraplex_adapter_cold_starts", "Requests that waited for their adapter to load")

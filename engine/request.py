@@ -44,6 +44,7 @@ class Request:
     num_preemptions: int = 0
     blocked_by_cap: int = 0      # steps held back by the max_loras cap or a pool full of running adapters
     cold_start: bool = False     # had to wait for its adapter to load
+    load_wait_start: float | None = None   # time.monotonic() when it first found its adapter not resident
     counted: bool = False        # counted in the adapter hit/cold-start statistics
     # with params.prompt_logprobs: entry i for prompt token i (None for the first), filled as chunks run
     prompt_logprobs: list | None = None

@@ -25,18 +25,20 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-loras", type=int, default=None,
-                   help="distinct adapters in one step (default: 8 slots on CPU; on Triton, what the pool holds)")
+                   help="distinct adapters in one step (default: as many as the pool holds)")
     p.add_argument("--max-lora-rank", type=int, default=None)
     p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in the host-memory tier")
+    p.add_argument("--loader-threads", type=int, default=None,
+                   help="threads loading adapters beside the steps (default 1)")
     p.add_argument("--adapter-dir", default=None,
-                   help="register every subfolder holding a PEFT adapter under the folder's name")
+                   help="serve every subfolder holding a PEFT adapter under the folder's name (read when first used)")
     p.add_argument("--scheduling-policy", choices=tuple(POLICIES), default=None,
                    help="vtc (default): the tenant served the fewest tokens goes next; fair: the fewest running; fcfs")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     names = ("backend", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "block_size",
-             "max_model_len", "max_loras", "max_lora_rank", "max_cpu_loras", "scheduling_policy")
+             "max_model_len", "max_loras", "max_lora_rank", "max_cpu_loras", "loader_threads", "scheduling_policy")
     kw = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     return dict(model=args.model, dtype=args.dtype, **kw)
 

@@ -18,7 +18,7 @@ import enum
 import itertools
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -101,7 +101,10 @@ class AdapterManager:
         self.loader = AdapterLoader(storage, model.dtype, self.packer, self.copier.cuda, cfg.loader_threads)
         self.host = HostTier(cfg.max_cpu_loras, cfg.max_cpu_lora_bytes)
         self._failed: list[tuple[Adapter, str]] = []   # failures wait_loads saw, for the next poll
-        self.load_seconds: list[float] = []   # each finished load's time, for metrics to take (and clear)
+        # each finished load's time and each cold-started request's wait for it, for metrics to take and clear
+        # (bounded: an offline LLM has no one taking them)
+        self.load_seconds: deque[float] = deque(maxlen=4096)
+        self.load_waits: deque[float] = deque(maxlen=4096)
 
     # -- registry ---------------------------------------------------------------------------------------
     def describe(self, path: str | Path) -> AdapterFiles:
@@ -309,6 +312,13 @@ class AdapterManager:
 
     def _largest_pages(self, default: int) -> int:
         return max([a.layout.num_pages(self.page_elems) for a in self.by_name.values()] + [default])
+
+    def tier_bytes(self) -> dict[str, int]:
+        """Adapter bytes per tier: pool (pages held, loading or resident), host (packed copies), disk (the
+        registered adapters' weight files)."""
+        page_bytes = self.page_elems * self.storage.element_size()
+        pool = sum(len(a.pages) for a in self.by_id.values()) * page_bytes
+        return {"pool": pool, "host": self.host.nbytes, "disk": sum(a.files.nbytes for a in self.by_name.values())}
 
     def tiers(self) -> dict[str, int]:
         counts = {"resident": 0, "loading": 0, "host": len(self.host), "registered": len(self.by_name)}

@@ -12,6 +12,8 @@ running adapters to load its own) for `starvation_steps` steps, no new adapter i
 """
 from __future__ import annotations
 
+import time
+
 from engine.config import LoraConfig
 from engine.lora.adapter_manager import AdapterManager, AdapterState
 from engine.request import Request
@@ -49,6 +51,8 @@ class AdapterAdmission:
             return False
         if not self.adapters.is_resident(aid):
             req.cold_start = True
+            if req.load_wait_start is None:
+                req.load_wait_start = time.monotonic()
             if may_load and not self.adapters.start_load(self.adapters.by_id[aid]):
                 req.blocked_by_cap += 1      # the pool is full of running adapters and KV
             return False
@@ -62,6 +66,7 @@ class AdapterAdmission:
             req.counted = True
             if req.cold_start:
                 self.adapters.stats.cold_starts += 1
+                self.adapters.load_waits.append(time.monotonic() - req.load_wait_start)
             else:
                 self.adapters.stats.hits += 1
         a = self.adapters.by_id[aid]

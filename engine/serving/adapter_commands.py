@@ -53,6 +53,11 @@ class AdapterCommands:
         listed = self.catalog.names() if self.catalog is not None else set()
         return sorted(listed.union(registered))
 
+    def _listed_only(self, name: str) -> bool:
+        adapters = self.core.adapters
+        return (self.catalog is not None and name in self.catalog.names() and adapters is not None
+                and name not in adapters.by_name)
+
     async def load_on_demand(self, name: str | None) -> None:
         """Register DIR/<name> for an adapter name not registered yet. Any failure to find or read it is
         an unknown model to the client (LookupError -> 404), with the reason; a folder refused before is
@@ -94,7 +99,8 @@ class AdapterCommands:
             if cmd.op == "load":
                 await self._load(cmd)
             elif cmd.op == "unload":
-                self.core.unregister_adapter(cmd.name)
+                if not self._listed_only(cmd.name):     # listed in --adapter-dir, never read: nothing to free
+                    self.core.unregister_adapter(cmd.name)
                 if self.journal is not None:
                     self.journal.unloaded(cmd.name)
             elif cmd.op != "list":

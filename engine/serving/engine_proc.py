@@ -69,9 +69,10 @@ class AsyncEngine:
             return EngineCore(cfg), load_tokenizer(cfg.model.path)
         self.core, tok = await self._run(build)
         self.processor = OutputProcessor(tok)
-        self.stats = EngineStatsPublisher(self.core)
         self.adapter_ops = AdapterCommands(self.core, self._run, self.broadcast_status, self.adapter_dir,
                                            self.lora_roots, self.runtime_lora, self.journal)
+        catalog = self.adapter_ops.catalog
+        self.stats = EngineStatsPublisher(self.core, listed=lambda: len(catalog.listed) if catalog else 0)
         if self.adapter_ops.catalog is not None:
             log.info("%d adapters listed in %s (each read when first used)", len(self.adapter_ops.catalog.listed),
                      self.adapter_dir)
