@@ -1,9 +1,11 @@
-"""Online load against the running server: Poisson arrivals, Zipf adapter popularity, streaming.
+"""Online load against the real server at its defaults: Poisson arrivals, Zipf adapter popularity, streaming.
 
-Starts `loraplex serve` itself (or uses --url), sends --requests requests at --rate per second, each
-naming an adapter drawn from Zipf(--zipf) over --adapters adapters, and prints throughput and
-time-to-first-token / inter-token latency p50 and p99.
-Usage: python -m bench.bench_serving [--requests 200] [--rate 4] [--adapters 100] [--url URL]
+Starts `loraplex serve` itself (no flags but --adapter-dir), and in one run sends the same --requests
+requests at --rate per second twice: each naming an adapter drawn from Zipf(--zipf) over --adapters
+adapters (rank 8 / 16 on q and v), then each naming one single adapter. Prints throughput and
+time-to-first-token / inter-token latency p50 and p99 of both, and the ratios (goals: throughput >= 0.95x,
+TTFT p99 within 1.5x of one adapter's); writes bench/results/serving.json and .png.
+Usage: python -m bench.bench_serving [--requests 300] [--rate 16] [--adapters 100] [--url URL]
 """
 from __future__ import annotations
 
@@ -11,9 +13,6 @@ import argparse
 import asyncio
 import json
 import random
-import re
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -83,45 +82,66 @@ def report(stats: dict, args) -> None:
     print(f"E2E    p50 {pct(stats['e2e'], 50):8.1f} ms   p99 {pct(stats['e2e'], 99):8.1f} ms")
 
 
-def start_server(adapter_dir: Path, args) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "frontends.cli", "serve", "--port", "0", "--adapter-dir",
-                             str(adapter_dir), "--max-loras", str(args.max_loras), "--frontends", "2"],
-                            stdout=subprocess.PIPE, text=True)
-    for line in proc.stdout:
-        sys.stderr.write(line)
-        m = re.search(r"serving .* at (http://\S+)/v1", line)
-        if m:
-            return proc, m.group(1)
-    raise RuntimeError("server did not start")
+def summary(stats: dict, args) -> dict:
+    pct = lambda xs, q: 1e3 * float(np.percentile(xs, q)) if xs else float("nan")  # noqa: E731
+    done = len(stats["e2e"])
+    return {"ok": done, "errors": stats["errors"], "tok_s": done * args.max_tokens / stats["wall"],
+            "ttft_p50_ms": pct(stats["ttft"], 50), "ttft_p99_ms": pct(stats["ttft"], 99),
+            "itl_p50_ms": pct(stats["itl"], 50), "itl_p99_ms": pct(stats["itl"], 99)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", default=None, help="a running server (else one is started)")
-    p.add_argument("--requests", type=int, default=200)
-    p.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second (Poisson)")
+    p.add_argument("--url", default=None, help="a running server (else one is started at its defaults)")
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--rate", type=float, default=16.0, help="mean arrivals per second (Poisson)")
     p.add_argument("--adapters", type=int, default=100)
     p.add_argument("--zipf", type=float, default=1.2)
-    p.add_argument("--max-loras", type=int, default=32)
     p.add_argument("--prompt-words", type=int, default=48)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=None)
+    p.add_argument("server_args", nargs="*", help="extra `loraplex serve` flags (none: the defaults)")
     args = p.parse_args()
     from bench.adapters import write_peft_adapter
+    from bench.output import write
+    from bench.serving import start_server, stop_server
     from engine.config import EngineConfig
     work = Path(args.workdir or Path(tempfile.gettempdir()) / "loraplex-bench-serving")
     cfg = EngineConfig.create().model
     for i in range(args.adapters):
         write_peft_adapter(work / f"tenant{i}", cfg, (8, 16)[i % 2], ("q_proj", "v_proj"), seed=20_000 + i)
     models = [f"tenant{i}" for i in range(args.adapters)]
-    proc, url = (None, args.url) if args.url else start_server(work, args)
+    proc, url = (None, args.url) if args.url else start_server(["--adapter-dir", str(work), *args.server_args])
+    results = {}
     try:
-        report(asyncio.run(run_load(url, models, args)), args)
+        asyncio.run(run_load(url, models[:1], argparse.Namespace(**{**vars(args), 'requests': 8})))   # warm-up
+        for label, names in ((f"{args.adapters} adapters", models), ("1 adapter", models[:1])):
+            stats = asyncio.run(run_load(url, names, args))
+            print(f"--- {label}")
+            report(stats, args)
+            results[label] = summary(stats, args)
     finally:
         if proc:
-            proc.terminate()
-            proc.wait(60)
+            stop_server(proc)
+    many, one = results.values()
+    tput, ttft = many["tok_s"] / one["tok_s"], many["ttft_p99_ms"] / one["ttft_p99_ms"]
+    print(f"{args.adapters} adapters vs 1: throughput {tput:.2f}x (goal >= 0.95x), TTFT p99 {ttft:.2f}x "
+          f"(goal <= 1.5x); server flags: {args.server_args or 'defaults'}")
+
+    def plot(ax):
+        keys = ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]
+        for k, (label, r) in enumerate(results.items()):
+            ax.bar([x + 0.4 * k for x in range(len(keys))], [r[key] for key in keys], width=0.4,
+                   label=f"{label}: {r['tok_s']:.0f} tok/s")
+        ax.set_xticks([x + 0.2 for x in range(len(keys))], [key.replace("_ms", "") for key in keys])
+        ax.set_yscale("log")
+        ax.set_ylabel("ms")
+        ax.legend()
+        ax.set_title(f"bench_serving: {args.requests} requests, Poisson {args.rate}/s; throughput {tput:.2f}x, "
+                     f"TTFT p99 {ttft:.2f}x")
+    write("serving", {"args": {k: v for k, v in vars(args).items()}, "results": results,
+                      "throughput_ratio": tput, "ttft_p99_ratio": ttft}, plot)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|
                   r"\.lora_([AB])(?:\.\w+)?\.weight$")
 # safetensors dtype names that are floating point (what torch's is_floating_point accepts)
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
 _MAX_HEADER = 100 << 20          # safetensors' own limit on the JSON header
 
 
@@ -63,6 +64,7 @@ class AdapterFiles:
     spec: LoraSpec
     weights: Path
     keys: dict[tuple[int, str], tuple[str, str]]                 # (layer, module) -> names of A and B
+    where: dict[tuple[int, str], tuple[tuple[str, int, int], ...]]  # -> (dtype, first, end byte) of A, B
     shapes: dict[tuple[int, str], tuple[int, int, int, float]]    # (layer, module) -> (rank, in, out, scale)
     signature: tuple[int, ...]                                    # the files' sizes and mtimes
 
@@ -107,7 +109,8 @@ def files_signature(adapter_dir: str | Path) -> tuple[int, ...]:
 
 
 def read_header(f: Path) -> dict[str, dict]:
-    """The safetensors header: tensor name -> {"dtype", "shape", "data_offsets"} (no weights read)."""
+    """The safetensors header: tensor name -> {"dtype", "shape", "data_offsets"} (no weights read), the
+    offsets made relative to the file's first byte (`start`)."""
     try:
         with open(f, "rb") as fh:
             raw = fh.read(8)
@@ -120,6 +123,11 @@ def read_header(f: Path) -> dict[str, dict]:
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"adapter: {f} is not a valid safetensors file: {e}") from None
     header.pop("__metadata__", None)
+    for info in header.values():
+        if not isinstance(info, dict):
+            raise ValueError(f"adapter: {f} is not a valid safetensors file: a tensor entry is not an object")
+        begin, end = (info.get("data_offsets") or [0, 0])[:2]
+        info["start"], info["end"] = 8 + n + int(begin), 8 + n + int(end)
     return header
 
 
@@ -148,11 +156,14 @@ def describe_adapter(adapter_dir: str | Path, cfg: ModelConfig, max_rank: int,
         layer, module = missing[0]
         raise ValueError(f"adapter: target_modules names {module} but {module_path(layer, module)} has no "
                          f"weights ({len(missing)} such modules missing)")
-    keys, shapes = {}, {}
+    keys, shapes, where = {}, {}, {}
     for (layer, module), ab in sorted(parts.items()):
         shapes[(layer, module)] = _check_module(cfg, spec, layer, module, ab, max_rank)
+        for key, info in ab.values():
+            _check_extent(f, key, info, signature[2])
         keys[(layer, module)] = (ab["A"][0], ab["B"][0])
-    return AdapterFiles(d, spec, f, keys, shapes, signature)
+        where[(layer, module)] = tuple((ab[x][1]["dtype"], ab[x][1]["start"], ab[x][1]["end"]) for x in "AB")
+    return AdapterFiles(d, spec, f, keys, where, shapes, signature)
 
 
 def _check_module(cfg, spec, layer, module, ab, max_rank) -> tuple[int, int, int, float]:
@@ -171,6 +182,16 @@ def _check_module(cfg, spec, layer, module, ab, max_rank) -> tuple[int, int, int
         if info.get("dtype") not in _FLOAT_DTYPES:
             raise ValueError(f"adapter: {path}.{name} is {info.get('dtype')}; LoRA weights must be floating point")
     return r, n_in, n_out, spec.scale_for(path)
+
+
+def _check_extent(f: Path, key: str, info: dict, file_size: int) -> None:
+    """The bytes a tensor's header entry names lie inside the file and hold exactly its shape."""
+    n = 1
+    for d in info.get("shape", ()):
+        n *= int(d)
+    if info["end"] - info["start"] != n * _ITEMSIZE[info["dtype"]] or not 0 < info["start"] <= info["end"] <= file_size:
+        raise ValueError(f"adapter: {f} is not a valid safetensors file: {key!r} has data_offsets that do not fit "
+                         f"its shape or the file")
 
 
 def read_weights(files: AdapterFiles):

@@ -25,7 +25,9 @@ team). Measured in docs/performance.md
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
+import mmap
 import os
 import threading
 import time
@@ -33,7 +35,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from engine.lora.host_adapter import AdapterFiles, check_finite, read_weights
+from engine.lora.host_adapter import AdapterFiles, check_finite, files_signature, read_weights
+from engine.lora.peft_config import module_path
 from kernels.lora_layout import LoraPacker, PackedLayout
 
 log = logging.getLogger("loraplex.lora")
@@ -67,15 +70,36 @@ def read_packed(files: AdapterFiles, layout: PackedLayout, page_elems: int, dtyp
     packer = packer or LoraPacker()
     n = layout.num_pages(page_elems) * page_elems
     flat = host_buffer(n, dtype, pin)
-    if packer.zero_fill:
-        flat.zero_()
-    else:
-        flat[layout.num_elems:].zero_()
+    for start in range(0 if packer.zero_fill else layout.num_elems, n, page_elems):   # a page at a time
+        pace()
+        flat[start:start + page_elems].zero_()
+    dtypes = {d for pair in files.where.values() for d, _, _ in pair}
+    if hasattr(packer, "pack_file") and packer.can_pack_file(dtypes, dtype):
+        _pack_from_file(files, layout, packer, flat, dtype, pace)
+        return flat.view(-1, page_elems)
     for key, a, b in read_weights(files):
         pace()
         for name, stored in packer.place(layout, key, a, b, flat):
             check_finite(key, name, stored, dtype)
     return flat.view(-1, page_elems)
+
+
+def _pack_from_file(files: AdapterFiles, layout: PackedLayout, packer, flat: torch.Tensor, dtype: torch.dtype,
+                    pace) -> None:
+    """The backend's one-pass packer over the file, memory-mapped (copy-on-write: never written)."""
+    if files_signature(files.path) != files.signature:
+        raise ValueError(f"adapter: {files.weights} changed on disk since it was registered")
+    with open(files.weights, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
+        if len(mm) != files.nbytes:
+            raise ValueError(f"adapter: {files.weights} changed on disk since it was registered")
+        view = ctypes.c_char.from_buffer(mm)
+        try:
+            bad = packer.pack_file(layout, files.where, ctypes.addressof(view), flat, pace)
+        finally:
+            del view
+    if bad is not None:
+        (layer, module), name = bad
+        raise ValueError(f"adapter: {module_path(layer, module)}.{name} holds NaN or infinite values (in {dtype})")
 
 
 def write_pages(storage: torch.Tensor, pages: list[int], packed: torch.Tensor, pace=_no_pause) -> None:

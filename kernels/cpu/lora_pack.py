@@ -11,9 +11,12 @@ several and none crosses a page boundary; an adapter's bytes are its own rank's,
 """
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from kernels.cpu import lora as c_lora
+from kernels.cpu.build import load_functions
 from kernels.lora_layout import GroupBlock, ModuleSlice, PackedLayout, Shapes
 
 # fused group -> its projections in output order (decoder.c's and the GEMMs' order)
@@ -21,6 +24,26 @@ GROUP_MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_
                  "down": ("down_proj",)}
 GROUP_OF = {m: (g, i) for g, mods in GROUP_MODULES.items() for i, m in enumerate(mods)}
 ALIGN = 32   # elements: 64 bytes in bf16
+SRC_DTYPES = {"F32": 0, "BF16": 1, "F16": 2}     # file dtypes lora_pack.c reads
+CHUNK = 1 << 19                                  # elements pack_file writes between two pace() calls
+
+
+class _Piece(ctypes.Structure):
+    _fields_ = [("src", ctypes.c_int64), ("dst", ctypes.c_int64), ("rows", ctypes.c_int32), ("cols", ctypes.c_int32),
+                ("kind", ctypes.c_int32), ("G", ctypes.c_int32), ("g", ctypes.c_int32), ("src_dtype", ctypes.c_int32),
+                ("scale", ctypes.c_float)]
+
+
+_FN: object = False
+
+
+def _fn():
+    global _FN
+    if _FN is False:
+        fns = load_functions("lora_pack", {0: "pack_lora"},
+                             [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int])
+        _FN = None if fns is None else fns[0]
+    return _FN
 
 
 class GroupPacker:
@@ -87,3 +110,39 @@ class GroupPacker:
         else:
             dst.view(R, -1)[:r].copy_(bt)
         return [("lora_A", a), ("lora_B", b)]
+
+    def can_pack_file(self, dtypes, dtype: torch.dtype) -> bool:
+        """Whether pack_file reads tensors of these safetensors dtypes into `dtype` here (the C packer)."""
+        return dtype in (torch.bfloat16, torch.float32) and set(dtypes) <= set(SRC_DTYPES) and _fn() is not None
+
+    def pack_file(self, layout: PackedLayout, where, address: int, flat: torch.Tensor, pace) -> tuple | None:
+        """Every module straight from the file's bytes at `address` into `flat` (zeroed): where[(layer, module)]
+        = ((dtype, first byte, end byte) of A, of B), as AdapterFiles.where. The same bits as place().
+        Calls pace() between pieces of about CHUNK elements. -> None, or ((layer, module), "lora_A" or
+        "lora_B") of the first tensor holding NaN or infinity in the model dtype."""
+        pieces, names, sizes = [], [], []
+        for key, ((da, sa, _), (db, sb, _)) in sorted(where.items()):
+            layer, module = key
+            g, i = GROUP_OF[module]
+            blk = layout.blocks[(layer, g)]
+            ms = layout.modules[key]
+            G = len(GROUP_MODULES[g])
+            pieces.append(_Piece(sa, blk.a_offset, ms.rank, ms.n_in, 0, G, i, SRC_DTYPES[da], 0.0))
+            pieces.append(_Piece(sb, blk.b_offsets[i], ms.n_out, ms.rank, 2 if self.paired else 1, G, i,
+                                 SRC_DTYPES[db], ms.scale))
+            names += [(key, "lora_A"), (key, "lora_B")]
+            sizes += [ms.rank * ms.n_in, ms.rank * ms.n_out]
+        array = (_Piece * len(pieces))(*pieces)
+        bf16 = int(flat.dtype == torch.bfloat16)
+        start, done = 0, 0
+        for end in range(1, len(pieces) + 1):
+            done += sizes[end - 1]
+            if done < CHUNK and end < len(pieces):
+                continue
+            pace()
+            rc = _fn()(address, ctypes.addressof(array) + start * ctypes.sizeof(_Piece), end - start,
+                       flat.data_ptr(), bf16)
+            if rc < 0:
+                return names[start - rc - 1]
+            start, done = end, 0
+        return None
