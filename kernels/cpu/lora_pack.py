@@ -25,7 +25,7 @@ GROUP_MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_
 GROUP_OF = {m: (g, i) for g, mods in GROUP_MODULES.items() for i, m in enumerate(mods)}
 ALIGN = 32   # elements: 64 bytes in bf16
 SRC_DTYPES = {"F32": 0, "BF16": 1, "F16": 2}     # file dtypes lora_pack.c reads
-CHUNK = 1 << 19                                  # elements pack_file writes between two pace() calls
+CHUNK = 1 << 17                                  # elements pack_file writes between two pace() calls
 
 
 class _Piece(ctypes.Structure):
