@@ -10,17 +10,22 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def host() -> str:
-    """The CPU model and core count, as figures must name them."""
-    name = platform.processor() or platform.machine()
+    """The CPU model (with family / model: a VM may name only the vendor), its widest bf16 instructions and
+    the core count, as figures must name them."""
+    import os
+    fields = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    import os
-    return f"{name}, {os.cpu_count()} cores"
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    flags = fields.get("flags", "").split()
+    isa = "AVX512-BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else \
+        "AVX2" if "avx2" in flags else "no AVX2"
+    return f"{name} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')}, {isa}), " \
+           f"{os.cpu_count()} cores"
 
 
 def write(name: str, data: dict, plot, out: str | None = None) -> tuple[Path, Path]:
