@@ -18,7 +18,7 @@ from engine.sampler import History, Sampler, chosen_and_top, logprobs
 from engine.scheduler import SchedulerOutput
 from ipc.outputs import TokenLogprobs
 from kernels.attention_metadata import AttentionMetadata, MetadataBuilder
-from kernels.backend import LoraStep
+from kernels.backend import AdapterSlots, LoraStep
 from kernels.memory import huge_zeros
 from kernels.selector import configure_cpu_kernels, select_backend
 
@@ -89,8 +89,33 @@ class ModelRunner:
                            torch.tensor(logits_idx, dtype=torch.long), sample_rows, prompt_rows, prompt_targets)
         return inp if self.device.type == "cpu" else _to_device(inp, self.device)
 
-    def execute(self, out: SchedulerOutput, lora: LoraStep | None = None) -> ModelOutput:
-        """Run one step: the tokens sampled for rows that finished their chunk, and their logprobs."""
+    def order(self, out: SchedulerOutput, adapters: AdapterSlots | None) -> None:
+        """Lay the step's rows out, in place: decodes (one token each) first, as the attention metadata and
+        the LoRA kernels take them, then by adapter slot, so that the LoRA path finds each adapter's tokens
+        as one run of rows. The one sort of a step's rows."""
+        def key(i: int) -> tuple[bool, int]:
+            req = out.requests[i]
+            slot = adapters.slot_of[req.adapter_id] if adapters is not None and req.adapter_id else -1
+            return out.num_new_tokens[i] != 1, slot
+        order = sorted(range(len(out.requests)), key=key)
+        out.requests[:] = [out.requests[i] for i in order]
+        out.num_new_tokens[:] = [out.num_new_tokens[i] for i in order]
+
+    def lora_step(self, out: SchedulerOutput, adapters: AdapterSlots | None) -> LoraStep | None:
+        """The step's LoRA from its rows (ordered by `order`): each token's slot, decodes first."""
+        if adapters is None:
+            return None
+        token_slots = []
+        for req, n in zip(out.requests, out.num_new_tokens):
+            token_slots.extend([adapters.slot_of[req.adapter_id] if req.adapter_id else -1] * n)
+        num_decode = sum(1 for n in out.num_new_tokens if n == 1)
+        return self.backend.lora_step(adapters, token_slots, num_decode)
+
+    def execute(self, out: SchedulerOutput, adapters: AdapterSlots | None = None) -> ModelOutput:
+        """Run one step over the scheduler's output (its rows reordered in place, `order`): the tokens sampled
+        for rows that finished their chunk, and their logprobs. adapters: the backend's AdapterSlots."""
+        self.order(out, adapters)
+        lora = self.lora_step(out, adapters)
         inp = self.prepare(out)
         if inp.prompt_rows:
             logits, hidden = self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches,

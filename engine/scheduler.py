@@ -66,10 +66,7 @@ class Scheduler:
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted and suspect is None:
             self._schedule_waiting(out, budget)
-        order = sorted(range(len(out.requests)), key=lambda i: out.num_new_tokens[i] != 1)
-        out.requests = [out.requests[i] for i in order]
-        out.num_new_tokens = [out.num_new_tokens[i] for i in order]
-        return out
+        return out        # in any order: the model runner lays the rows out (ModelRunner.order)
 
     def _chunk(self, req: Request, budget: int) -> int:
         return min(req.num_tokens - req.num_computed_tokens, budget,
@@ -121,7 +118,8 @@ class Scheduler:
             out.requests.append(req)
             out.num_new_tokens.append(n)
             return True
-        if self.admission and not self.admission.can_admit(req, False, may_load=True):
+        if self.admission and not self.admission.can_admit(req, False):
+            self.admission.hold(req, False, may_load=True)
             return False
         cached = self.kv.find_cached_prefix(req)
         n = min(req.num_tokens - len(cached) * self.kv.block_size, budget, self.config.long_prefill_token_threshold)
@@ -154,16 +152,16 @@ class Scheduler:
         admitted, stop = [], None
         places, awaiting_loads = self.config.max_num_seqs - len(self.running), 0
         if adm:
-            adm.adapters.next_use = {}
+            adm.begin_pass()
         for i, req in enumerate(itertools.islice(offers, window)):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 stop = req
                 break
-            if adm and req.adapter_id:
-                adm.adapters.next_use.setdefault(req.adapter_id, i)
-            if adm and not adm.can_admit(req, freeze_new and req is not oldest,
-                                         may_load=len(admitted) + awaiting_loads < places):
-                if req.adapter_id and not adm.adapters.is_resident(req.adapter_id):
+            frozen = freeze_new and req is not oldest
+            if adm:
+                adm.note_place(req, i)
+            if adm and not adm.can_admit(req, frozen):
+                if adm.hold(req, frozen, may_load=len(admitted) + awaiting_loads < places):
                     awaiting_loads += 1      # its place is taken by the load (in flight or not yet started)
                 continue
             cached = self.kv.find_cached_prefix(req)

@@ -22,7 +22,6 @@ from engine.page_pool import PagePool
 from engine.request import FinishReason, Request
 from engine.scheduler import Scheduler
 from ipc.requests import GenerateRequest
-from kernels.backend import LoraStep
 from kernels.memory import keep_freed_memory
 
 log = logging.getLogger("loraplex.engine")
@@ -174,10 +173,9 @@ class EngineCore:
             elif self.scheduler.waiting and not self.scheduler.running:
                 results.append(self._fail_unservable(self.scheduler.waiting.oldest()))
             return results
-        self._order_by_slot(out)
         try:
             with self._loader_yields():
-                result = self.runner.execute(out, self._lora_step(out))
+                result = self.runner.execute(out, self.slots)
         except Exception as e:  # noqa: BLE001 - one request's bad step must not fail the others in it
             return results + self._step_failed(out, e)
         finished = {id(r) for r in self.scheduler.update(out, result.sampled)}
@@ -196,28 +194,6 @@ class EngineCore:
     def _loader_yields(self):
         """Adapter loads pause while the forward pass computes (engine/lora/loader.py)."""
         return self.adapters.loader.step_running() if self.adapters is not None else contextlib.nullcontext()
-
-    def _order_by_slot(self, out) -> None:
-        """Lay tokens out in compute-slot order, decodes (one token each) still first, so that the LoRA
-        path finds each bucket's tokens as one run of rows and reads and writes them in place."""
-        if self.slots is None:
-            return
-
-        def key(i: int) -> tuple[bool, int]:
-            req = out.requests[i]
-            return out.num_new_tokens[i] != 1, self.slots.slot_of[req.adapter_id] if req.adapter_id else -1
-        order = sorted(range(len(out.requests)), key=key)
-        out.requests[:] = [out.requests[i] for i in order]
-        out.num_new_tokens[:] = [out.num_new_tokens[i] for i in order]
-
-    def _lora_step(self, out) -> LoraStep | None:
-        if self.slots is None:
-            return None
-        token_slots = []
-        for req, n in zip(out.requests, out.num_new_tokens):
-            token_slots.extend([self.slots.slot_of[req.adapter_id] if req.adapter_id else -1] * n)
-        num_decode = sum(1 for n in out.num_new_tokens if n == 1)   # decodes come first (_order_by_slot)
-        return self.runner.backend.lora_step(self.slots, token_slots, num_decode)
 
     def _step_failed(self, out, error: Exception) -> list[TokenOutput]:
         """The model step over `out` raised. Run alone, a request is the culprit: it fails (status 500 at the

@@ -1,9 +1,10 @@
 """Adapter-aware admission for the scheduler.
 
-Rules: at most `max_distinct` distinct adapters among running requests (base requests do not count): the
-smaller of `max_loras` and the backend's slot count, or no count at all on a backend that reads adapters in
-the pool's pages (Triton) with max_loras unset, where the pool alone bounds it; a request runs only once
-its adapter is resident in the pool and holds a compute slot; requests whose
+Rules: at most `max_distinct` distinct adapters among running requests (base requests do not count):
+`max_loras` when set (and a backend's slot count, if it has one); unset, the pool alone bounds it; a
+request runs only once its adapter is resident in the pool (and, on the reference backend, holds a compute
+slot). `can_admit` only answers; `hold` does what a refusal implies (counts, starts the load), and every
+load starts in AdapterManager.start_load, which hands it to the loader. Requests whose
 adapter is loading wait in the queue without holding anyone up, and their loads are started (prefetched)
 as soon as the scheduler sees them, but only for as many requests as there are free places (loads for
 requests further back would evict the adapters of those ahead: with many adapters, the pool thrashed).
@@ -38,25 +39,48 @@ class AdapterAdmission:
                 return self.adapters.start_load(a, evict_queued=False, reserve=reserve)
         return True
 
-    def can_admit(self, req: Request, freeze_new: bool, may_load: bool = True) -> bool:
-        """True when `req` may start running now; starts its adapter's load if needed and `may_load`
-        (the scheduler allows loads only for requests that a free place awaits: a load for a request
-        further back would evict adapters that the requests ahead of it are about to use)."""
+    def begin_pass(self) -> None:
+        """A scheduler pass over the waiting queue starts: places in line are noted afresh (note_place)."""
+        self.adapters.next_use = {}
+
+    def note_place(self, req: Request, place: int) -> None:
+        """req is `place`-th in line this pass: which queued adapters a load should evict last."""
+        if req.adapter_id:
+            self.adapters.next_use.setdefault(req.adapter_id, place)
+
+    def can_admit(self, req: Request, freeze_new: bool) -> bool:
+        """Whether `req` may start running now (a predicate: nothing changes)."""
         aid = req.adapter_id
         if not aid:
             return True
-        capped = self.max_distinct is not None and len(self.running) >= self.max_distinct
-        if aid not in self.running and (capped or freeze_new):
-            req.blocked_by_cap += 1
+        if aid not in self.running and (self._capped() or freeze_new):
             return False
         if not self.adapters.is_resident(aid):
-            req.cold_start = True
-            if req.load_wait_start is None:
-                req.load_wait_start = time.monotonic()
-            if may_load and not self.adapters.start_load(self.adapters.by_id[aid]):
-                req.blocked_by_cap += 1      # the pool is full of running adapters and KV
             return False
         return self.slots.has(aid) or self.slots.can_assign(set(self.running))
+
+    def hold(self, req: Request, freeze_new: bool, may_load: bool) -> bool:
+        """`req` could not start (can_admit was False): count why, and start its adapter's load if `may_load`
+        (the scheduler allows loads only for requests that a free place awaits: a load for a request
+        further back would evict adapters that the requests ahead of it are about to use). -> whether it
+        waits for its adapter's load (in flight, or to be started when a place frees)."""
+        aid = req.adapter_id
+        if not aid:
+            return False
+        if aid not in self.running and (self._capped() or freeze_new):
+            req.blocked_by_cap += 1
+            return not self.adapters.is_resident(aid)
+        if self.adapters.is_resident(aid):
+            return False
+        req.cold_start = True
+        if req.load_wait_start is None:
+            req.load_wait_start = time.monotonic()
+        if may_load and not self.adapters.start_load(self.adapters.by_id[aid]):
+            req.blocked_by_cap += 1      # the pool is full of running adapters and KV
+        return True
+
+    def _capped(self) -> bool:
+        return self.max_distinct is not None and len(self.running) >= self.max_distinct
 
     def admit(self, req: Request) -> None:
         aid = req.adapter_id
