@@ -1,5 +1,7 @@
 # loraplex: `make serve` and `make test` work on a fresh machine; set-up is idempotent.
 SHELL   := /bin/bash
+# every recipe line fails when any command of a pipe does (gpu-check pipes each step into tee)
+.SHELLFLAGS := -o pipefail -c
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
@@ -47,7 +49,7 @@ GPU_PY ?= $(BIN)/python
 GPU_TESTS := tests/kernels/test_backends.py tests/kernels/triton tests/engine/test_backend_fidelity.py \
 	tests/engine/lora/test_distinct_adapters.py tests/engine/lora/test_page_copier.py
 gpu-check: $(if $(filter $(BIN)/python,$(GPU_PY)),$(STAMP))
-	set -o pipefail; $(GPU_PY) -c "import torch; assert torch.cuda.is_available(), 'gpu-check needs a CUDA device'; print(torch.cuda.get_device_name(), 'torch', torch.__version__)" | tee $(GPU_CHECK_OUT)
+	$(GPU_PY) -c "import torch; assert torch.cuda.is_available(), 'gpu-check needs a CUDA device'; print(torch.cuda.get_device_name(), 'torch', torch.__version__)" | tee $(GPU_CHECK_OUT)
 	TRITON_INTERPRET=0 LORAPLEX_TEST_DEVICE=cuda $(GPU_PY) -m pytest -q -p no:cacheprovider $(GPU_TESTS) 2>&1 | tee -a $(GPU_CHECK_OUT)
 	TRITON_INTERPRET=0 $(GPU_PY) -m bench.bench_engine --device cuda --repeats 3 2>&1 | tee -a $(GPU_CHECK_OUT)
 	TRITON_INTERPRET=0 $(GPU_PY) -m bench.bench_lora --device cuda 2>&1 | tee -a $(GPU_CHECK_OUT)

@@ -76,7 +76,7 @@ class TextPart(msgspec.Struct, kw_only=True):
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
-    role: str
+    role: Literal["system", "user", "assistant", "tool", "developer"]     # OpenAI's roles, nothing else
     content: Union[str, list[TextPart]]
     name: str | None = None
 

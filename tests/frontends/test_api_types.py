@@ -30,6 +30,16 @@ def test_chat_parts_other_than_text_are_refused_with_their_path():
     assert e.value.param == "messages" and "$.messages[0].content[0].type" in e.value.message
 
 
+def test_a_chat_role_outside_openais_is_refused_with_its_path():
+    raw = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}, {"role": "hacker", "content": "x"}]}'
+    with pytest.raises(t.DecodeFailure) as e:
+        t.decode(raw, t.ChatCompletionRequest)
+    assert e.value.param == "messages" and "$.messages[1].role" in e.value.message
+    for role in ("system", "user", "assistant", "tool", "developer"):
+        t.decode(b'{"model": "m", "messages": [{"role": "%s", "content": "hi"}]}' % role.encode(),
+                 t.ChatCompletionRequest)
+
+
 def test_nulls_mean_defaults_and_unknown_fields_are_ignored():
     req = t.decode(b'{"model": "m", "prompt": [1, 2], "n": null, "user": "u", "x-extra": 1}', t.CompletionRequest)
     assert req.prompt == [1, 2] and req.n is None and req.user == "u"

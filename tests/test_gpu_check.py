@@ -1,0 +1,25 @@
+"""`make gpu-check` fails when anything in it fails (each step is piped into tee): a stand-in interpreter
+that passes the device check and fails every later step makes it exit non-zero."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make here")
+def test_gpu_check_exits_non_zero_when_a_step_fails(tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/bash\nif [ "$1" = "-c" ]; then echo "Stand-in GPU torch 0"; exit 0; fi\n'
+                    'echo "stand-in step failed: $*"; exit 3\n')
+    fake.chmod(0o755)
+    out = tmp_path / "gpu-check.txt"
+    run = subprocess.run(["make", "-s", "gpu-check", f"GPU_PY={fake}", f"GPU_CHECK_OUT={out}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0, run.stdout + run.stderr
+    text = out.read_text()
+    assert "Stand-in GPU" in text and "stand-in step failed: -m pytest" in text
