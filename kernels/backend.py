@@ -89,6 +89,35 @@ class AdapterSlots(Protocol):
     def drop(self, adapter_id: int) -> None: ...
 
 
+class InPlaceSlots:
+    """The common part of AdapterSlots for backends that read adapters in place in the pool's pages (CPU,
+    Triton): any number of adapters at once (`capacity` None: the pool bounds them), nothing to replace,
+    and a new adapter's slot the smallest number not in use. `entries[slot]`: what the backend keeps."""
+    capacity = None
+
+    def __init__(self):
+        self.slot_of: dict[int, int] = {}
+        self.entries: dict[int, object] = {}
+
+    def has(self, adapter_id: int) -> bool:
+        return adapter_id in self.slot_of
+
+    def can_assign(self, busy: set[int]) -> bool:
+        return True
+
+    def new_slot(self) -> int:
+        return min(set(range(len(self.entries) + 1)) - set(self.entries))
+
+    def drop(self, adapter_id: int) -> None:
+        slot = self.slot_of.pop(adapter_id, None)
+        if slot is not None:
+            del self.entries[slot]
+            self.dropped(slot)
+
+    def dropped(self, slot: int) -> None:
+        """A subclass forgets what else it kept for the slot."""
+
+
 class FusedDecoder(Protocol):
     """All decoder layers of a step in one call, with the bits of the op-by-op loop (LlamaModel._layers)."""
 

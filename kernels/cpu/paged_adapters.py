@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kernels.backend import InPlaceSlots
 from kernels.cpu import lora as c_lora
 from kernels.cpu.lora_pack import GROUP_MODULES
 from kernels.lora_layout import PackedLayout
@@ -22,10 +23,9 @@ from kernels.lora_layout import PackedLayout
 GROUPS = tuple(GROUP_MODULES)          # qkv, o, gate_up, down: the column of a group in the address tables
 
 
-class CpuPagedAdapters:
-    capacity = None
-
+class CpuPagedAdapters(InPlaceSlots):
     def __init__(self, max_rank: int, shape, storage: torch.Tensor):
+        super().__init__()
         self.storage = storage                     # the pool [num_pages, page_elems]
         self.dtype = shape.dtype
         self.max_rank = max_rank
@@ -38,25 +38,18 @@ class CpuPagedAdapters:
         self.max_in = max(H, Q, I)
         r = max_rank + 1
         self.zeros = torch.zeros(max(r * 3 * self.max_in, r * max(Q, H, I)), dtype=shape.dtype)
-        self.slot_of: dict[int, int] = {}
         self.rank_of: dict[int, int] = {}
         self.modules_of: dict[int, frozenset[str]] = {}
         self.entries: dict[int, torch.Tensor] = {}     # slot -> [L, 4 groups, 1 + 3] int64 addresses (A, Bt_g)
         self.placed: dict[int, tuple[PackedLayout, list[int]]] = {}   # slot -> layout, pages (torch fallback)
 
     # -- AdapterSlots -----------------------------------------------------------------------------------
-    def has(self, adapter_id: int) -> bool:
-        return adapter_id in self.slot_of
-
-    def can_assign(self, busy: set[int]) -> bool:
-        return True
-
     def assign(self, adapter_id: int, layout: PackedLayout, pages: Sequence[int], busy: set[int]) -> int:
         if adapter_id in self.slot_of:
             return self.slot_of[adapter_id]
         if not layout.blocks:
             raise ValueError("the CPU backend reads adapters packed by its own packer (kernels/cpu/lora_pack.py)")
-        slot = min(set(range(len(self.entries) + 1)) - set(self.entries))
+        slot = self.new_slot()
         zero = self.zeros.data_ptr()
         table = [[[zero] * 4 for _ in GROUPS] for _ in range(self.num_layers)]
         for (layer, group), blk in layout.blocks.items():
@@ -77,11 +70,13 @@ class CpuPagedAdapters:
         return self.storage.data_ptr() + (pages[page] * self.page_elems + within) * self.storage.element_size()
 
     def drop(self, adapter_id: int) -> None:
-        slot = self.slot_of.pop(adapter_id, None)
-        if slot is not None:
+        if adapter_id in self.slot_of:
             self.rank_of.pop(adapter_id)
             self.modules_of.pop(adapter_id)
-            del self.entries[slot], self.placed[slot]
+        super().drop(adapter_id)
+
+    def dropped(self, slot: int) -> None:
+        del self.placed[slot]
 
     def adapter_of_slot(self) -> dict[int, int]:
         return {s: a for a, s in self.slot_of.items()}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.backend import InPlaceSlots
 from kernels.lora_layout import PackedLayout
 from kernels.transfer import to_device
 from kernels.triton import lora_ops
@@ -34,12 +35,12 @@ class _Entry:
     module_rank: list[int]  # [7] the largest rank of each module over the layers, 0: none (host)
 
 
-class PagedAdapters:
+class PagedAdapters(InPlaceSlots):
     """Implements kernels.backend.AdapterSlots by reference to the pool's pages (no copy). Any number of
     adapters can be assigned (`capacity` None): what runs is bounded by the pool (and max_loras if set)."""
-    capacity = None
 
     def __init__(self, shape, storage: torch.Tensor):
+        super().__init__()
         self.storage = storage                        # [num_pages, page_elems]
         self.pool = storage.view(-1)                  # the flat pool the kernels address
         self.page_elems = storage.shape[1]
@@ -47,19 +48,12 @@ class PagedAdapters:
         self.out = {"q_proj": shape.q_size, "k_proj": shape.kv_size, "v_proj": shape.kv_size,
                     "o_proj": shape.hidden_size, "gate_proj": shape.intermediate_size,
                     "up_proj": shape.intermediate_size, "down_proj": shape.hidden_size}
-        self.slot_of: dict[int, int] = {}
         self.entries: dict[int, _Entry] = {}          # slot -> its adapter's page table and offsets
-
-    def has(self, adapter_id: int) -> bool:
-        return adapter_id in self.slot_of
-
-    def can_assign(self, busy: set[int]) -> bool:
-        return True
 
     def assign(self, adapter_id: int, layout: PackedLayout, pages: Sequence[int], busy: set[int]) -> int:
         if adapter_id in self.slot_of:
             return self.slot_of[adapter_id]
-        slot = min(set(range(len(self.entries) + 1)) - set(self.entries))
+        slot = self.new_slot()
         shape = (self.num_layers, len(MODULES))
         a_off, b_off, rank = (torch.zeros(shape, dtype=torch.int64) for _ in range(3))
         scale = torch.zeros(shape, dtype=torch.float32)
@@ -72,11 +66,6 @@ class PagedAdapters:
                                     module_rank)
         self.slot_of[adapter_id] = slot
         return slot
-
-    def drop(self, adapter_id: int) -> None:
-        slot = self.slot_of.pop(adapter_id, None)
-        if slot is not None:
-            del self.entries[slot]
 
 
 def _runs(idx: list[int]) -> tuple[list[int], list[int]]:
