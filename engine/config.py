@@ -169,7 +169,8 @@ class EngineConfig:
         s, c, lo = self.scheduler, self.cache, self.lora
         max_loras = 1 if lo.max_loras is None else lo.max_loras
         for name, value in (("max_loras", max_loras), ("max_lora_rank", lo.max_lora_rank),
-                            ("max_cpu_loras", lo.max_cpu_loras), ("max_num_seqs", s.max_num_seqs),
+                            ("max_cpu_loras", lo.max_cpu_loras), ("loader_threads", lo.loader_threads),
+                            ("max_num_seqs", s.max_num_seqs),
                             ("max_num_batched_tokens", s.max_num_batched_tokens),
                             ("block_size", c.block_size), ("kv_cache_memory_bytes", c.kv_cache_memory_bytes)):
             if value < 1:

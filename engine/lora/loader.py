@@ -119,7 +119,7 @@ class AdapterLoader:
         self.dtype = dtype
         self.packer = packer
         self.cuda = on_gpu
-        self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="loraplex-loader",
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="loraplex-loader",
                                        initializer=_init_thread, initargs=(nice,))
         self.hold = threading.Event()           # tests: clear() to make every job wait (pause / resume)
         self.hold.set()

@@ -223,3 +223,9 @@ def test_a_load_that_fails_frees_its_pages_and_names_the_problem(tmp_path):
     (failed, error), = m.poll()
     assert failed is a and "NaN" in error and "v_proj" in error
     assert a.state == AdapterState.DISK and pool.num_free == 16 and m.stats.failed_loads == 1
+
+
+def test_the_loader_needs_a_thread():
+    from engine.config import EngineConfig
+    with pytest.raises(ValueError, match="loader_threads must be >= 1, got 0"):
+        EngineConfig.create(loader_threads=0)
