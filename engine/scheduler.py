@@ -85,8 +85,7 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 break
             self.kv.allocate(req, n)
-            out.requests.append(req)
-            out.num_new_tokens.append(n)
+            self._scheduled(req, n, out)
             budget -= n
             i += 1
         return budget
@@ -115,8 +114,7 @@ class Scheduler:
             if not self.kv.can_allocate(req, n):
                 return False
             self.kv.allocate(req, n)
-            out.requests.append(req)
-            out.num_new_tokens.append(n)
+            self._scheduled(req, n, out)
             return True
         if self.admission and not self.admission.can_admit(req, False):
             self.admission.hold(req, False, may_load=True)
@@ -185,8 +183,15 @@ class Scheduler:
         if self.admission:
             self.admission.admit(req)
         req.status = RequestStatus.RUNNING
-        self.waiting.policy.on_admitted(req, n)
         self.running.append(req)
+        self._scheduled(req, n, out)
+
+    def _scheduled(self, req: Request, n: int, out: SchedulerOutput) -> None:
+        """`req` computes its next `n` tokens this step; the policy is charged for the prompt tokens among
+        them, every chunk (generated tokens are charged as they are sampled, `update`)."""
+        prompt = max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
+        if prompt:
+            self.waiting.policy.on_prompt_scheduled(req, prompt)
         out.requests.append(req)
         out.num_new_tokens.append(n)
 

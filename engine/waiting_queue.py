@@ -33,14 +33,14 @@ def _fifo_key(req: Request) -> tuple[str, int]:
 
 class Policy(ABC):
     """The order in which waiting requests (not the preempted ones) are offered a place. The hooks tell a
-    policy that keeps accounts what happened: a request arrived, was admitted with its prompt, produced
-    tokens, or left (finished or aborted)."""
+    policy that keeps accounts what happened: a request arrived, had a chunk of its prompt scheduled,
+    produced tokens, or left (finished or aborted)."""
     name = ""
 
     def on_arrival(self, req: Request) -> None:
         pass
 
-    def on_admitted(self, req: Request, prompt_tokens: int) -> None:
+    def on_prompt_scheduled(self, req: Request, prompt_tokens: int) -> None:
         pass
 
     def on_generated(self, req: Request, tokens: int) -> None:
@@ -92,7 +92,7 @@ def fair_key(req: Request) -> str | int:
 class VtcPolicy(Policy):
     """Virtual token counters (Sheng et al., "Fairness in Serving Large Language Models", OSDI '24), over
     tenants (adapters when no tenants are configured): the one served the fewest weighted tokens goes
-    next. An admitted prompt adds W_IN per prompt token, each generated token W_OUT. A tenant arriving
+    next. Each prefill chunk scheduled adds W_IN per prompt token in it, each generated token W_OUT. A tenant arriving
     idle (nothing waiting or running) starts at the least counter among the active ones: idle time earns
     no credit, and a newcomer never starts ahead of everyone. Ties by arrival; once a tenant's request is
     offered and not admitted, its later requests are not offered in this pass."""
@@ -110,7 +110,7 @@ class VtcPolicy(Policy):
             self.counter[k] = max(self.counter.get(k, 0.0), floor)
         self.active[k] = self.active.get(k, 0) + 1
 
-    def on_admitted(self, req: Request, prompt_tokens: int) -> None:
+    def on_prompt_scheduled(self, req: Request, prompt_tokens: int) -> None:
         k = fair_key(req)
         self.counter[k] = self.counter.get(k, 0.0) + self.W_IN * prompt_tokens
 

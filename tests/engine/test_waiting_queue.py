@@ -84,13 +84,15 @@ def test_a_flood_from_one_tenant_does_not_hold_up_another(policy):
     assert all(r.is_finished for r in flood) and s.kv.pool.num_free == 256
 
 
-def served_tokens(policy: str, steps: int = 60) -> dict[str, float]:
+def served_tokens(policy: str, steps: int = 60, long: int = 48, short: int = 4, count: int = 100,
+                  **cfg) -> dict[str, float]:
     """Two backlogged tenants, one with long prompts and one with short ones, two places: the weighted
     tokens (VTC's W_IN per prompt token, W_OUT per output token) each was served in `steps` steps."""
-    s = make_scheduler(num_pages=1024, max_num_seqs=2, max_num_batched_tokens=64, scheduling_policy=policy)
-    for i in range(100):                  # more than either can be served in `steps`: both stay backlogged
-        s.add(make_request(prompt_len=48, max_tokens=2, tenant="long", adapter_id=1, first_token=i))
-        s.add(make_request(prompt_len=4, max_tokens=2, tenant="short", adapter_id=2, first_token=i))
+    cfg = {"num_pages": 1024, "max_num_seqs": 2, "max_num_batched_tokens": 64, **cfg}
+    s = make_scheduler(scheduling_policy=policy, **cfg)
+    for i in range(count):                # more than either can be served in `steps`: both stay backlogged
+        s.add(make_request(prompt_len=long, max_tokens=2, tenant="long", adapter_id=1, first_token=i))
+        s.add(make_request(prompt_len=short, max_tokens=2, tenant="short", adapter_id=2, first_token=i))
     served = {"long": 0.0, "short": 0.0}
     for _ in range(steps):
         before = {id(r): (r.num_computed_tokens, len(r.output_token_ids)) for r in s.running}
@@ -110,13 +112,23 @@ def test_vtc_shares_served_tokens_not_places():
     assert abs(vtc["long"] - vtc["short"]) <= 60 and min(vtc.values()) > 100, vtc
 
 
+def test_vtc_charges_every_prefill_chunk():
+    """4,000-token prompts prefilled 128 tokens a step against 50-token ones, 16 places: every chunk is
+    charged, so the served weighted tokens stay within 10% (charging only the first chunk gave the long
+    tenant several times the short one's)."""
+    served = served_tokens("vtc", steps=600, long=4000, short=50, count=3000, num_pages=8192, block_size=16,
+                           max_num_seqs=16, max_num_batched_tokens=512, long_prefill_token_threshold=128)
+    assert min(served.values()) > 4000, served
+    assert abs(served["long"] - served["short"]) <= 0.1 * max(served.values()), served
+
+
 def test_vtc_gives_no_credit_for_idle_time():
     """A tenant arriving idle starts at the least counter among the active ones, not at zero."""
     from engine.waiting_queue import VtcPolicy
     p = VtcPolicy()
     busy = make_request(tenant="busy")
     p.on_arrival(busy)
-    p.on_admitted(busy, 500)
+    p.on_prompt_scheduled(busy, 500)
     late = make_request(tenant="late")
     p.on_arrival(late)
     assert p.counter["late"] == p.counter["busy"] == 500
