@@ -21,6 +21,7 @@ def test_config_file_sets_defaults_and_flags_win(tmp_path):
 def test_shipped_config_parses():
     args = parse(["serve", "--config", "configs/default.toml"])
     assert args.frontends == 2 and args.max_lora_rank == 64
+    assert args.max_loras is None and args.loader_threads == 1      # the defaults: no cap on adapters a step
 
 
 def test_unknown_config_key_is_named(tmp_path):
