@@ -182,7 +182,8 @@ async def _send(session, url: str, body: dict, headers: dict, abandon: bool) -> 
 
 
 async def metrics(session, url: str) -> str:
-    async with session.get(url + "/metrics") as r:
+    async with session.get(url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}) as r:
+        assert r.status == 200, await r.text()
         return await r.text()
 
 

@@ -65,6 +65,7 @@ ANONYMOUS_ADMIN = Caller(ADMIN)          # no auth configured: everyone may do e
 class Auth:
     admin_keys: tuple[str, ...] = ()
     tenants: tuple[Tenant, ...] = ()
+    metrics_keys: tuple[str, ...] = ()   # keys that may read /metrics and nothing else (a Prometheus scraper)
     _by_key: dict[str, Caller] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -92,6 +93,20 @@ class Auth:
                 return who
         return None
 
+    def metrics_access(self, authorization: str) -> int:
+        """Who may read /metrics, which names adapters and tenants: everyone when no key is configured;
+        else an admin key or a metrics key (200), no or an unknown key (401), a tenant's key (403)."""
+        if not self.enabled and not self.metrics_keys:
+            return 200
+        scheme, _, key = authorization.partition(" ")
+        if scheme == "Bearer" and key and any(hmac.compare_digest(k.encode(), key.strip().encode())
+                                              for k in self.metrics_keys):
+            return 200
+        caller = self.caller(authorization) if self.enabled else None
+        if caller is None:
+            return 401
+        return 200 if caller.is_admin else 403
+
     def labels(self) -> list[str]:
         """Every value the `tenant` metrics label can take (bounded by the config)."""
         return [ADMIN] + [t.name for t in self.tenants]
@@ -108,6 +123,7 @@ def parse_auth(table: dict | None, api_key: str | None = None) -> Auth:
     ValueError naming the setting that is wrong."""
     table = dict(table or {})
     admin = _strings(table.pop("admin_keys", []), "auth.admin_keys")
+    metrics = _strings(table.pop("metrics_keys", []), "auth.metrics_keys")
     tenants = []
     for i, t in enumerate(table.pop("tenants", [])):
         where = f"auth.tenants[{i}]"
@@ -133,4 +149,4 @@ def parse_auth(table: dict | None, api_key: str | None = None) -> Auth:
         raise ValueError(f"auth: unknown setting(s) {', '.join(sorted(table))}")
     if len({t.name for t in tenants}) != len(tenants):
         raise ValueError("auth.tenants: names must be distinct")
-    return Auth(admin + ((api_key,) if api_key else ()), tuple(tenants))
+    return Auth(admin + ((api_key,) if api_key else ()), tuple(tenants), metrics)

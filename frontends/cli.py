@@ -79,6 +79,9 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
     loading = {"lora_roots": args.lora_roots or [], "runtime_lora": not args.disable_runtime_lora,
                "max_waiting": args.max_waiting}
+    if args.metrics_key:                               # one more metrics key, beside the [auth] table's
+        table = dict(args.auth or {})
+        args.auth = {**table, "metrics_keys": [*table.get("metrics_keys", []), args.metrics_key]}
     parse_auth(args.auth, args.api_key)                # a bad [auth] table stops here, naming the setting
     if args.stream_timeout <= 0 or args.stream_buffer < 1:
         raise ValueError(f"--stream-timeout must be > 0 and --stream-buffer >= 1, got {args.stream_timeout} and "
@@ -134,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     s.add_argument("--frontends", type=int, default=2, help="HTTP frontend processes sharing the port")
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    s.add_argument("--metrics-key", default=None,
+                   help="a key that may read /metrics and nothing else (with keys configured, /metrics needs an "
+                        "admin key or this one)")
     s.add_argument("--config", default=None, help="TOML file of settings (flags win)")
     s.add_argument("--lora-roots", nargs="*", default=None,
                    help="folders besides --adapter-dir that /v1/load_lora_adapter may load from")

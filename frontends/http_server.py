@@ -246,6 +246,11 @@ class OpenAIServer:
 
     async def metrics(self, request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, multiprocess
+        status = self.auth.metrics_access(request.headers.get("Authorization", ""))
+        if status == 401:
+            raise ApiError(401, "/metrics needs an admin key or a metrics key", code="invalid_api_key")
+        if status == 403:
+            raise ApiError(403, "/metrics is for admins and the metrics scraper, not tenants", code="forbidden")
         if envs.prometheus_dir():
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)

@@ -8,7 +8,8 @@ from frontends import api_types as t
 
 _REF = "#/components/schemas/{name}"
 _ERRORS = {"400": "the request is invalid (the error names the field)", "401": "missing or wrong API key",
-           "403": "needs an admin key", "404": "no such model or adapter, or not one the caller may use",
+           "403": "needs an admin key (or, for /metrics, a metrics key)",
+           "404": "no such model or adapter, or not one the caller may use",
            "429": "too many requests are waiting (see Retry-After)", "503": "the engine is unavailable"}
 
 
@@ -50,8 +51,11 @@ def openapi_document(secured: bool) -> dict:
         "/health": {"get": {"summary": "200 while the engine answers, 503 otherwise", "security": [],
                             "responses": {"200": _json(_REF.format(name="StatusReply"), "healthy"),
                                           "503": _json(_REF.format(name="StatusReply"), "engine unavailable")}}},
-        "/metrics": {"get": {"summary": "Prometheus metrics", "security": [], "responses": {"200": {
-            "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        "/metrics": {"get": {"summary": "Prometheus metrics (with keys configured: an admin key or a metrics key)",
+                             "responses": {"200": {"description": "Prometheus text format",
+                                                   "content": {"text/plain": {"schema": {"type": "string"}}}},
+                                           **{c: _json(_REF.format(name="ErrorResponse"), _ERRORS[c])
+                                              for c in ("401", "403")}}}},
         "/openapi.json": {"get": {"summary": "This document", "security": [], "responses": {"200": {
             "description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
     }

@@ -71,7 +71,7 @@ class Ingress:
         if path == "/health":
             return await self.health()
         if path == "/metrics":
-            return await self.metrics()
+            return await self.metrics(headers)
         return await self.forward(request.method, path, headers, body, "")
 
     # -- generation: one replica, chosen by adapter -------------------------------------------------------
@@ -195,10 +195,14 @@ class Ingress:
         return JSONResponse({"status": "ok" if status == 200 else "degraded", "replicas": len(answers), "up": len(up)},
                             status_code=status, headers={HEADER: ",".join(up)})
 
-    async def metrics(self) -> Response:
-        """Each replica's Prometheus text, every sample labelled with its replica."""
-        out = []
-        for name, status, raw in await self._each("GET", "/metrics", {}, None):
+    async def metrics(self, headers: dict) -> Response:
+        """Each replica's Prometheus text, every sample labelled with its replica. The caller's key goes to
+        the replicas, which decide (an admin or metrics key when keys are configured): refused by all, the
+        refusal is the answer."""
+        out, refused = [], None
+        for name, status, raw in await self._each("GET", "/metrics", headers, None):
+            if status in (401, 403):
+                refused = (status, raw)
             if status != 200:
                 continue
             for line in raw.decode().splitlines():
@@ -208,6 +212,8 @@ class Ingress:
                 label = f'replica="{name}"'
                 metric = metric[:-1] + "," + label + "}" if metric.endswith("}") else metric + "{" + label + "}"
                 out.append(f"{metric} {value}")
+        if not out and refused is not None:
+            return Response(refused[1], status_code=refused[0], media_type="application/json")
         return Response("\n".join(out) + "\n", media_type="text/plain; version=0.0.4")
 
 

@@ -141,9 +141,9 @@ def test_client_disconnect_frees_its_request(server):
             next(lines)
     # the connection is closed: the engine must drop the request and its pages
     def idle():
-        text = requests.get(server.url + "/metrics", timeout=10).text
+        text = requests.get(server.url + "/metrics", timeout=10, headers=AUTH).text
         return metric(text, "loraplex_requests_running") == 0 and metric(text, "loraplex_pool_pages", 'kind="kv"') == 0
-    assert wait_until(idle, timeout=30), requests.get(server.url + "/metrics").text[-2000:]
+    assert wait_until(idle, timeout=30), requests.get(server.url + "/metrics", headers=AUTH).text[-2000:]
 
 
 def test_non_streamed_request_is_aborted_when_its_client_goes_away(server):
@@ -155,9 +155,9 @@ def test_non_streamed_request_is_aborted_when_its_client_goes_away(server):
         requests.post(server.url + "/v1/completions", json=body, headers=AUTH, timeout=3)
 
     def idle():
-        text = requests.get(server.url + "/metrics", timeout=10).text
+        text = requests.get(server.url + "/metrics", timeout=10, headers=AUTH).text
         return metric(text, "loraplex_requests_running") == 0 and metric(text, "loraplex_pool_pages", 'kind="kv"') == 0
-    assert wait_until(idle, timeout=30), requests.get(server.url + "/metrics").text[-2000:]
+    assert wait_until(idle, timeout=30), requests.get(server.url + "/metrics", headers=AUTH).text[-2000:]
 
 
 @pytest.mark.parametrize("body, field", [
@@ -304,7 +304,7 @@ def test_adapter_on_demand_from_adapter_dir(server, client, served_adapters):
 def test_health_and_metrics_show_engine_figures_from_any_frontend(server):
     assert requests.get(server.url + "/health").json() == {"status": "ok"}
     with ThreadPoolExecutor(4) as ex:
-        texts = list(ex.map(lambda _: requests.get(server.url + "/metrics").text, range(6)))
+        texts = list(ex.map(lambda _: requests.get(server.url + "/metrics", headers=AUTH).text, range(6)))
     for text in texts:
         assert metric(text, "loraplex_pool_pages", 'kind="free"') > 0
         assert "loraplex_time_to_first_token_seconds_bucket" in text
@@ -328,7 +328,7 @@ def test_kill_9_of_a_frontend_frees_its_requests_and_it_is_restarted(server):
 
     def recovered():
         try:
-            text = requests.get(server.url + "/metrics", timeout=5).text
+            text = requests.get(server.url + "/metrics", timeout=5, headers=AUTH).text
         except requests.RequestException:
             return False
         return metric(text, "loraplex_requests_running") == 0 and metric(text, "loraplex_pool_pages", 'kind="kv"') == 0

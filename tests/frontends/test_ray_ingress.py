@@ -200,3 +200,31 @@ def test_a_hung_replica_is_left_out_of_a_poll_in_time_and_not_forgotten(monkeypa
     load, took, forgotten = asyncio.run(run())
     assert load == {"r0": 3.0} and took < 3, (load, took)     # within the poll timeout, not the session's 300 s
     assert forgotten == []
+
+
+def test_the_ingress_metrics_are_behind_the_replicas_keys():
+    """The ingress passes the caller's key to every replica's /metrics: refused by them, refused here."""
+    from aiohttp import web
+
+    async def keyed(request):
+        if request.headers.get("Authorization") != "Bearer sk-admin":
+            return web.json_response({"error": {"message": "/metrics needs an admin key"}}, status=401)
+        return web.Response(text="loraplex_requests_running 2.0\n")
+
+    async def run():
+        app = web.Application()
+        app.router.add_get("/metrics", keyed)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        ingress = Ingress.func_or_class(RecordingReplicas(), FakeDirectory({"r0": url}), "adapter", 0)
+        refused = await ingress.metrics({})
+        allowed = await ingress.metrics({"Authorization": "Bearer sk-admin"})
+        await ingress.session.close()
+        await runner.cleanup()
+        return refused, allowed
+    refused, allowed = asyncio.run(run())
+    assert refused.status_code == 401 and b"admin key" in refused.body
+    assert allowed.status_code == 200 and b'loraplex_requests_running{replica="r0"} 2.0' in allowed.body

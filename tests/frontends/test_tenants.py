@@ -36,7 +36,7 @@ def server(served_adapters, tmp_path_factory):
         shutil.copytree(src / "r4-qv", d / "adapters" / name)
     (d / "loraplex.toml").write_text(CONFIG)
     s = Server("--adapter-dir", str(d / "adapters"), "--frontends", "1", "--config", str(d / "loraplex.toml"),
-               "--api-key", "sk-legacy", "--lora-roots", str(src))
+               "--api-key", "sk-legacy", "--lora-roots", str(src), "--metrics-key", "sk-scraper")
     yield s, src
     assert s.stop() == 0
 
@@ -95,10 +95,24 @@ def test_prefix_cache_reuse_never_crosses_tenants(server):
     assert cached("sk-admin-1", "shared-1") == 0        # another caller does not
 
 
+def test_metrics_need_an_admin_or_metrics_key(server):
+    """/metrics names adapters and tenants: with keys configured, no key gets 401, a tenant's 403, an admin's
+    and the scraper's (--metrics-key) 200."""
+    s, _ = server
+    get = lambda key=None: requests.get(s.url + "/metrics", headers={"Authorization": f"Bearer {key}"} if key else {})  # noqa: E731
+    assert get().status_code == 401 and get("sk-wrong").status_code == 401
+    assert get("sk-beta-1").status_code == 403
+    assert get("sk-admin-1").status_code == 200 and get("sk-scraper").status_code == 200
+    assert "loraplex_" in get("sk-scraper").text
+    r = requests.post(s.url + "/v1/completions", json={"model": "beta-1", "prompt": "Hi", "max_tokens": 1},
+                      headers={"Authorization": "Bearer sk-scraper"})
+    assert r.status_code == 401, "a metrics key opens /metrics and nothing else"
+
+
 def test_metrics_carry_a_bounded_tenant_label(server):
     s, _ = server
     client(s, "sk-beta-1").completions.create(model="beta-1", prompt="Hi", max_tokens=2)
-    text = requests.get(s.url + "/metrics").text
+    text = requests.get(s.url + "/metrics", headers={"Authorization": "Bearer sk-admin-1"}).text
     tenants = {line.split('tenant="')[1].split('"')[0] for line in text.splitlines()
                if line.startswith("loraplex_tenant_requests_total{")}
     assert "beta" in tenants and tenants <= {"admin", "acme", "beta"}
@@ -137,7 +151,8 @@ def test_a_full_waiting_queue_answers_429_at_once(served_adapters, tmp_path):
             yet and only the waiting bound would count (the step loop applies its whole inbox first)."""
             with concurrent.futures.ThreadPoolExecutor(n + 1) as pool:
                 first = pool.submit(call, key, model, 160)
-                assert wait_until(lambda: metric(requests.get(s.url + "/metrics", timeout=10).text,
+                assert wait_until(lambda: metric(requests.get(s.url + "/metrics", timeout=10,
+                                                              headers={"Authorization": "Bearer sk-a"}).text,
                                                  "loraplex_requests_running") == 1, timeout=60, every=0.05)
                 rest = [pool.submit(call, key, model) for _ in range(n)]
                 return [f.result() for f in [first, *rest]]
