@@ -161,6 +161,18 @@ class FakeDirectory:
             return self.fn(*args)
 
 
+async def stub_replica(metrics_handler):
+    """A replica stand-in serving only /metrics on a free port: (its runner, its URL)."""
+    from aiohttp import web
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
 def test_a_hung_replica_is_left_out_of_a_poll_in_time_and_not_forgotten(monkeypatch):
     from aiohttp import web
 
@@ -177,14 +189,8 @@ def test_a_hung_replica_is_left_out_of_a_poll_in_time_and_not_forgotten(monkeypa
     async def run():
         runners, urls = [], {}
         for name, handler in (("r0", fast), ("r1", hung)):
-            app = web.Application()
-            app.router.add_get("/metrics", handler)
-            runner = web.AppRunner(app)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
+            runner, urls[name] = await stub_replica(handler)
             runners.append(runner)
-            urls[name] = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
         directory = FakeDirectory(urls)
         ingress = Ingress.func_or_class(RecordingReplicas(), directory, "adapter", 1.25)
         task = asyncio.create_task(ingress._poll_loads())
@@ -212,13 +218,7 @@ def test_the_ingress_metrics_are_behind_the_replicas_keys():
         return web.Response(text="loraplex_requests_running 2.0\n")
 
     async def run():
-        app = web.Application()
-        app.router.add_get("/metrics", keyed)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        runner, url = await stub_replica(keyed)
         ingress = Ingress.func_or_class(RecordingReplicas(), FakeDirectory({"r0": url}), "adapter", 0)
         refused = await ingress.metrics({})
         allowed = await ingress.metrics({"Authorization": "Bearer sk-admin"})
