@@ -28,7 +28,6 @@ import contextlib
 import ctypes
 import logging
 import mmap
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,17 +39,11 @@ from engine.lora.peft_config import module_path
 from kernels.lora_layout import LoraPacker, PackedLayout
 
 log = logging.getLogger("loraplex.lora")
-LOADER_NICE = 0
 DUTY_REST = 6.0     # while a step computes: rest 6x each piece's time (about 14% of one core)
 
 
-def _init_thread(nice: int) -> None:
-    torch.set_num_threads(1)
-    if nice and hasattr(os, "setpriority"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
-        except OSError as e:       # a container may refuse it: loads still work, at normal priority
-            log.warning("adapter loader runs at normal priority: %s", e)
+def _init_thread() -> None:
+    torch.set_num_threads(1)     # a job never starts an OpenMP team of its own beside the step's
 
 
 def host_buffer(n: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
@@ -110,8 +103,7 @@ def write_pages(storage: torch.Tensor, pages: list[int], packed: torch.Tensor, p
 
 
 class AdapterLoader:
-    def __init__(self, storage: torch.Tensor, dtype: torch.dtype, packer: LoraPacker, on_gpu: bool, threads: int = 1,
-                 nice: int = LOADER_NICE):
+    def __init__(self, storage: torch.Tensor, dtype: torch.dtype, packer: LoraPacker, on_gpu: bool, threads: int = 1):
         """packer: the backend's page layout; on_gpu: the pool is on a GPU (PageCopier.cuda): jobs pack
         pinned rows and leave the copy."""
         self.storage = storage                  # [num_pages, page_elems], the pool
@@ -120,7 +112,7 @@ class AdapterLoader:
         self.packer = packer
         self.cuda = on_gpu
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="loraplex-loader",
-                                       initializer=_init_thread, initargs=(nice,))
+                                       initializer=_init_thread)
         self.hold = threading.Event()           # tests: clear() to make every job wait (pause / resume)
         self.hold.set()
         self.gate = threading.Event()           # set while no step computes: jobs run at full speed then

@@ -78,6 +78,15 @@ def supports_segments(dtype: torch.dtype) -> bool:
     return fns is not None and dtype in fns
 
 
+class GroupShape:
+    """What a fused group's tables share whatever the step: its input width and output widths."""
+
+    def __init__(self, n_in: int, outs: list[int]):
+        self.n_in, self.groups, self.width = n_in, len(outs), sum(outs)
+        self.outs = (ctypes.c_int64 * len(outs))(*outs)
+        self.fusable = all(o % 16 == 0 for o in outs)   # the GEMM epilogue works on 16 columns
+
+
 class Weights:
     """One layer's fused group for the step's adapters ("slots" 0..S-1), as the C kernels take it: pointer
     tables a[s] -> slot s's A [R_s, G, in] (rows contiguous, rank-major) and b[s * G + g] -> its Bt of
@@ -85,18 +94,13 @@ class Weights:
     R = max R_s, the most rank rows a token may read. The memory behind the pointers (the pool's pages,
     or the tensors given to `of`) must outlive the step; `keep` holds what the tables were made from."""
 
-    def __init__(self, a_ptrs: torch.Tensor, b_ptrs: torch.Tensor, max_rank: int, n_in: int, outs: list[int],
-                 paired: bool, dtype: torch.dtype, keep: object = None):
-        G = len(outs)
-        assert a_ptrs.dtype == b_ptrs.dtype == torch.int64 and a_ptrs.is_contiguous() and b_ptrs.is_contiguous()
-        assert b_ptrs.numel() == G * a_ptrs.numel()
-        self.a_ptrs, self.b_ptrs, self.keep = a_ptrs, b_ptrs, keep
-        self.a, self.b = a_ptrs.data_ptr(), b_ptrs.data_ptr()
+    def __init__(self, a: int, b: int, max_rank: int, shape: "GroupShape", paired: bool, dtype: torch.dtype,
+                 keep: object = None):
+        """a, b: addresses of the int64 pointer tables ([S] and [S * G]); shape: the group's (built once)."""
+        self.a, self.b, self.keep = a, b, keep
         self.paired, self.dtype = paired, dtype
-        self.max_rank, self.groups, self.n_in = max_rank, G, n_in
-        self.width = sum(outs)
-        self.outs = (ctypes.c_int64 * G)(*outs)
-        self.fusable = all(o % 16 == 0 for o in outs)   # the GEMM epilogue works on 16 columns
+        self.max_rank, self.groups, self.n_in = max_rank, shape.groups, shape.n_in
+        self.width, self.outs, self.fusable = shape.width, shape.outs, shape.fusable
 
     @classmethod
     def of(cls, a: torch.Tensor, bs: list[torch.Tensor], paired: bool | None = None) -> "Weights":
@@ -112,7 +116,8 @@ class Weights:
             assert b.dtype == a.dtype and b[0].is_contiguous()
         a_ptrs = torch.tensor([a[s].data_ptr() for s in range(S)], dtype=torch.int64)
         b_ptrs = torch.tensor([bs[g][s].data_ptr() for s in range(S) for g in range(G)], dtype=torch.int64)
-        return cls(a_ptrs, b_ptrs, R, n_in, [b.shape[2] for b in bs], paired, a.dtype, keep=(a, bs))
+        return cls(a_ptrs.data_ptr(), b_ptrs.data_ptr(), R, GroupShape(n_in, [b.shape[2] for b in bs]), paired,
+                   a.dtype, keep=(a, bs, a_ptrs, b_ptrs))
 
 
 def _launch(fn, name: str, dtype: torch.dtype, x: torch.Tensor, y: torch.Tensor, w: Weights,

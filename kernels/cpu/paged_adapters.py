@@ -36,6 +36,7 @@ class CpuPagedAdapters(InPlaceSlots):
         self.n_in = {"qkv": H, "o": Q, "gate_up": H, "down": I}
         self.outs = {"qkv": [Q, KV, KV], "o": [H], "gate_up": [I, I], "down": [H]}
         self.max_in = max(H, Q, I)
+        self.shapes = {g: c_lora.GroupShape(self.n_in[g], self.outs[g]) for g in GROUPS}
         r = max_rank + 1
         self.zeros = torch.zeros(max(r * 3 * self.max_in, r * max(Q, H, I)), dtype=shape.dtype)
         self.rank_of: dict[int, int] = {}
@@ -100,9 +101,9 @@ class CpuPagedAdapters(InPlaceSlots):
         return out
 
     def weights(self, tables, layer: int, group: str, max_rank: int) -> c_lora.Weights:
-        a, b = tables[group]
-        return c_lora.Weights(a[layer], b[layer], max_rank, self.n_in[group], self.outs[group], self.paired,
-                              self.dtype, keep=tables)
+        a, b = tables[group]                    # contiguous [L, S] and [L, S * G] int64: rows by address
+        return c_lora.Weights(a.data_ptr() + layer * a.stride(0) * 8, b.data_ptr() + layer * b.stride(0) * 8,
+                              max_rank, self.shapes[group], self.paired, self.dtype, keep=tables)
 
     # -- reading a block as tensors (the torch fallback, tests) ----------------------------------------
     def block(self, slot: int, layer: int, group: str) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
