@@ -1,7 +1,7 @@
 """An adapter's files, validated against the base model in two stages.
 
 `describe_adapter` reads adapter_config.json and the safetensors header only (tensor names, dtypes and
-shapes; no weights) and refuses everything loraplex cannot apply, naming it. It costs about a millisecond
+shapes; no weights) and refuses everything loraplex cannot apply, naming it. It costs 2-3 ms here
 whatever the adapter's size, so a refusal is told at once and its `AdapterFiles` plans the adapter's pages.
 `read_weights` then reads the weights (memory-mapped), converts them to the model dtype and refuses NaN and
 infinite values; the loader (engine/lora/loader.py) runs it off the step thread.

@@ -2,7 +2,7 @@
 the journal that registers run-time loads again after an engine restart.
 
 Each method runs the registration on the engine thread through `run`; registering reads only the adapter's
-config and safetensors header (about a millisecond), never its weights: those are read by the loader, beside
+config and safetensors header (2-3 ms here), never its weights: those are read by the loader, beside
 the step, when a request first needs them. What changed is told through `changed` (the engine process tells
 every frontend at once). Refusals are ValueError / LookupError / OSError with a message naming the problem;
 nothing is half done. `--adapter-dir` is listed at start-up, not read (`AdapterCatalog`); a folder refused
