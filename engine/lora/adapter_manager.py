@@ -10,7 +10,10 @@ Invariants:
 - a LOADING adapter owns its pages, but only the loader writes them; it is neither evicted nor used by a
   step until `poll` (on the engine thread, between steps) has seen its job finish;
 - a resident adapter with `active > 0` (running requests) or `pinned` is never evicted; the others are
-  evicted least recently used first, when KV blocks or another adapter need the pages.
+  evicted least recently used first, when KV blocks or another adapter need the pages;
+- on the host a load from the file packs straight into the pages (no staging copy): the host tier's copy
+  of that adapter is taken afterwards, from its pages (`_host_copies`: only while no load is in flight, one
+  at a time), and its pages are neither evicted nor freed while that copy runs.
 """
 from __future__ import annotations
 
@@ -58,6 +61,8 @@ class Adapter:
     queued: int = 0          # requests admitted to the engine and not finished
     unregistering: bool = False
     future: Future | None = None
+    copy: Future | None = None   # its pages being copied into the host tier (pages not freed meanwhile)
+    wants_host_copy: bool = False   # loaded in place from its file: the host tier has no copy yet
     error: str | None = None
     load_started: float = 0.0   # time.monotonic() when its current load began
 
@@ -217,7 +222,10 @@ class AdapterManager:
                 err = a.future.exception()
                 if err is None:
                     packed = a.future.result()
-                    self.host.put(a.adapter_id, packed)
+                    if packed is None:              # packed in place from its file: copied out later
+                        a.wants_host_copy = True
+                    else:
+                        self.host.put(a.adapter_id, packed)
                     if self.copier.cuda:
                         self.copier.copy(a.adapter_id, a.pages, packed)
                 a.future = None
@@ -235,7 +243,32 @@ class AdapterManager:
                 self.stats.failed_loads += 1
                 failed.append((a, str(err)))
                 self._maybe_drop(a)
+        self._host_copies()
         return failed
+
+    def _host_copies(self) -> None:
+        """Take finished host copies into the host tier; start the next one only while no load is in
+        flight (a load always goes first), one at a time, most recently used adapter first."""
+        busy = False
+        for a in list(self.by_id.values()):
+            if a.copy is not None and a.copy.done():
+                if a.copy.exception() is None:
+                    if not a.unregistering:
+                        self.host.put(a.adapter_id, a.copy.result())
+                else:                               # gave way to a load (or failed): taken again later
+                    a.wants_host_copy = a.state == AdapterState.RESIDENT
+                a.copy = None
+                self._maybe_drop(a)
+            busy = busy or a.copy is not None or a.state == AdapterState.LOADING
+        if busy or self.host.max_adapters <= 0:
+            return
+        for adapter_id in reversed(self.lru):
+            a = self.by_id[adapter_id]
+            if a.wants_host_copy and not a.unregistering and a.state == AdapterState.RESIDENT:
+                a.wants_host_copy = False
+                if adapter_id not in self.host:
+                    a.copy = self.loader.copy_out(a.pages)
+                return
 
     def loading(self) -> bool:
         return any(a.state == AdapterState.LOADING for a in self.by_id.values())
@@ -262,7 +295,7 @@ class AdapterManager:
         return sum(len(a.pages) for a in idle if self.evictable(a) and (evict_queued or not a.queued))
 
     def evictable(self, a: Adapter) -> bool:
-        return a.state == AdapterState.RESIDENT and a.active == 0 and not a.pinned
+        return a.state == AdapterState.RESIDENT and a.active == 0 and not a.pinned and a.copy is None
 
     def evict_idle(self, num_pages: int, evict_queued: bool = True, keep: int = 0) -> int:
         """Evict idle resident adapters (never `keep`) until `num_pages` pages are freed: those no queued
@@ -286,6 +319,7 @@ class AdapterManager:
     def _evict(self, a: Adapter) -> None:
         self.pool.free(a.pages)
         a.pages = []
+        a.wants_host_copy = False
         a.state = AdapterState.DISK
         self.lru.pop(a.adapter_id, None)
         self.stats.evictions += 1
@@ -294,7 +328,7 @@ class AdapterManager:
 
     def _maybe_drop(self, a: Adapter) -> None:
         """Free every byte of an unregistered adapter once nothing uses it."""
-        if not a.unregistering or a.active or a.queued or a.state == AdapterState.LOADING:
+        if not a.unregistering or a.active or a.queued or a.state == AdapterState.LOADING or a.copy is not None:
             return
         if a.state == AdapterState.RESIDENT:
             self.pool.free(a.pages)

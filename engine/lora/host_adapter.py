@@ -10,12 +10,12 @@ Only safetensors are read; pickled `.bin` weights are refused.
 """
 from __future__ import annotations
 
-import json
 import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import torch
 from safetensors import safe_open
 
@@ -117,10 +117,10 @@ def read_header(f: Path) -> dict[str, dict]:
             n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
             if not 2 <= n <= _MAX_HEADER:
                 raise ValueError("bad header length")
-            header = json.loads(fh.read(n))
+            header = msgspec.json.decode(fh.read(n))
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, msgspec.DecodeError) as e:
         raise ValueError(f"adapter: {f} is not a valid safetensors file: {e}") from None
     header.pop("__metadata__", None)
     for info in header.values():
@@ -157,8 +157,10 @@ def describe_adapter(adapter_dir: str | Path, cfg: ModelConfig, max_rank: int,
         raise ValueError(f"adapter: target_modules names {module} but {module_path(layer, module)} has no "
                          f"weights ({len(missing)} such modules missing)")
     keys, shapes, where = {}, {}, {}
+    dims = {m: module_shape(cfg, m) for m in MODULES}
+    uniform = None if spec.rank_pattern or spec.alpha_pattern else (spec.r, spec.scale_for(""))
     for (layer, module), ab in sorted(parts.items()):
-        shapes[(layer, module)] = _check_module(cfg, spec, layer, module, ab, max_rank)
+        shapes[(layer, module)] = _check_module(dims[module], spec, uniform, layer, module, ab, max_rank)
         for key, info in ab.values():
             _check_extent(f, key, info, signature[2])
         keys[(layer, module)] = (ab["A"][0], ab["B"][0])
@@ -166,22 +168,29 @@ def describe_adapter(adapter_dir: str | Path, cfg: ModelConfig, max_rank: int,
     return AdapterFiles(d, spec, f, keys, where, shapes, signature)
 
 
-def _check_module(cfg, spec, layer, module, ab, max_rank) -> tuple[int, int, int, float]:
-    path = module_path(layer, module)
-    if set(ab) != {"A", "B"}:
-        raise ValueError(f"adapter: {path} has lora_{''.join(ab)} but not both A and B")
-    a, b = tuple(ab["A"][1].get("shape", ())), tuple(ab["B"][1].get("shape", ()))
-    n_in, n_out = module_shape(cfg, module)
-    r = spec.rank_for(path)
+def _check_module(dims, spec, uniform, layer, module, ab, max_rank) -> tuple[int, int, int, float]:
+    """dims: (in, out) of the module; uniform: (rank, scale) of every module when the config has no
+    rank or alpha patterns (else each module's path is matched)."""
+    if len(ab) != 2:
+        raise ValueError(f"adapter: {module_path(layer, module)} has lora_{''.join(ab)} but not both A and B")
+    (_, info_a), (_, info_b) = ab["A"], ab["B"]
+    a, b = tuple(info_a.get("shape", ())), tuple(info_b.get("shape", ()))
+    n_in, n_out = dims
+    if uniform is None:
+        path = module_path(layer, module)
+        r, scale = spec.rank_for(path), spec.scale_for(path)
+    else:
+        r, scale = uniform
     if a != (r, n_in) or b != (n_out, r):
-        raise ValueError(f"adapter: {path} has lora_A {a} and lora_B {b}; the base "
+        raise ValueError(f"adapter: {module_path(layer, module)} has lora_A {a} and lora_B {b}; the base "
                          f"model and rank {r} need ({r}, {n_in}) and ({n_out}, {r}) (different base architecture?)")
     if r > max_rank:
-        raise ValueError(f"adapter: rank {r} of {path} is above max_lora_rank={max_rank}")
-    for name, (_, info) in (("lora_A", ab["A"]), ("lora_B", ab["B"])):
-        if info.get("dtype") not in _FLOAT_DTYPES:
-            raise ValueError(f"adapter: {path}.{name} is {info.get('dtype')}; LoRA weights must be floating point")
-    return r, n_in, n_out, spec.scale_for(path)
+        raise ValueError(f"adapter: rank {r} of {module_path(layer, module)} is above max_lora_rank={max_rank}")
+    if info_a.get("dtype") not in _FLOAT_DTYPES or info_b.get("dtype") not in _FLOAT_DTYPES:
+        name, info = ("lora_A", info_a) if info_a.get("dtype") not in _FLOAT_DTYPES else ("lora_B", info_b)
+        raise ValueError(f"adapter: {module_path(layer, module)}.{name} is {info.get('dtype')}; LoRA weights must "
+                         f"be floating point")
+    return r, n_in, n_out, scale
 
 
 def _check_extent(f: Path, key: str, info: dict, file_size: int) -> None:

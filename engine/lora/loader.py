@@ -66,8 +66,7 @@ def read_packed(files: AdapterFiles, layout: PackedLayout, page_elems: int, dtyp
     for start in range(0 if packer.zero_fill else layout.num_elems, n, page_elems):   # a page at a time
         pace()
         flat[start:start + page_elems].zero_()
-    dtypes = {d for pair in files.where.values() for d, _, _ in pair}
-    if hasattr(packer, "pack_file") and packer.can_pack_file(dtypes, dtype):
+    if packs_in_place(files, dtype, packer):
         _pack_from_file(files, layout, packer, flat, dtype, pace)
         return flat.view(-1, page_elems)
     for key, a, b in read_weights(files):
@@ -77,17 +76,35 @@ def read_packed(files: AdapterFiles, layout: PackedLayout, page_elems: int, dtyp
     return flat.view(-1, page_elems)
 
 
+def packs_in_place(files: AdapterFiles, dtype: torch.dtype, packer: LoraPacker) -> bool:
+    """Whether `packer` can write this adapter's file straight into its pages of the pool (one pass)."""
+    dtypes = {d for pair in files.where.values() for d, _, _ in pair}
+    return hasattr(packer, "pack_file") and packer.can_pack_file(dtypes, dtype)
+
+
+def pack_in_place(files: AdapterFiles, layout: PackedLayout, storage: torch.Tensor, pages: list[int],
+                  dtype: torch.dtype, packer, pace=_no_pause) -> None:
+    """The adapter's weights from its file straight into its pages of the pool (host memory): each page
+    zeroed, then every tensor read once (memory-mapped), converted and placed; no staging copy."""
+    for page in pages:
+        pace()
+        storage[page].zero_()
+    _pack_from_file(files, layout, packer, storage, dtype, pace, pages)
+
+
 def _pack_from_file(files: AdapterFiles, layout: PackedLayout, packer, flat: torch.Tensor, dtype: torch.dtype,
-                    pace) -> None:
-    """The backend's one-pass packer over the file, memory-mapped (copy-on-write: never written)."""
+                    pace, pages: list[int] | None = None) -> None:
+    """The backend's one-pass packer over the file, memory-mapped (copy-on-write: never written); into
+    `flat`'s rows `pages` when given (see GroupPacker.pack_file)."""
     if files_signature(files.path) != files.signature:
         raise ValueError(f"adapter: {files.weights} changed on disk since it was registered")
     with open(files.weights, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
         if len(mm) != files.nbytes:
             raise ValueError(f"adapter: {files.weights} changed on disk since it was registered")
+        _populate(mm)
         view = ctypes.c_char.from_buffer(mm)
         try:
-            bad = packer.pack_file(layout, files.where, ctypes.addressof(view), flat, pace)
+            bad = packer.pack_file(layout, files.where, ctypes.addressof(view), flat, pace, pages)
         finally:
             del view
     if bad is not None:
@@ -95,11 +112,24 @@ def _pack_from_file(files: AdapterFiles, layout: PackedLayout, packer, flat: tor
         raise ValueError(f"adapter: {module_path(layer, module)}.{name} holds NaN or infinite values (in {dtype})")
 
 
+MADV_POPULATE_READ = 22      # Linux 5.14+: map every page of the file at once (no fault per 4 KiB page)
+
+
+def _populate(mm: mmap.mmap) -> None:
+    """Map the whole file in one call: faulting it in page by page costs about as much as the packing."""
+    with contextlib.suppress(OSError, ValueError):
+        mm.madvise(MADV_POPULATE_READ)
+
+
 def write_pages(storage: torch.Tensor, pages: list[int], packed: torch.Tensor, pace=_no_pause) -> None:
     """packed [len(pages), page_elems] -> storage's rows `pages`, in order (host memory), a page at a time."""
     for page, row in zip(pages, packed):
         pace()
         storage[page].copy_(row)
+
+
+class CopyYielded(Exception):
+    """A copy_out job stopped so that a load waiting behind it runs first (the copy is taken again later)."""
 
 
 class AdapterLoader:
@@ -118,22 +148,49 @@ class AdapterLoader:
         self.gate = threading.Event()           # set while no step computes: jobs run at full speed then
         self.gate.set()
         self._last = time.perf_counter()
+        self._lock = threading.Lock()
+        self._loads_waiting = 0                 # load jobs submitted and not started: a copy_out gives way
 
     def load(self, files: AdapterFiles, layout: PackedLayout, pages: list[int],
              packed: torch.Tensor | None = None) -> Future:
         """Start a load: -> a future of the packed rows [len(pages), page_elems]. On the host the rows are
         in their pages when it completes; on a GPU the caller copies them (PageCopier). `packed`: the host
-        tier's copy, if it has one (no file is read)."""
+        tier's copy, if it has one (no file is read). On the host, when the backend's packer reads the file
+        in one pass, the job packs straight into the pages and the future's result is None: no host copy
+        was made (the caller may take one later, `copy_out`)."""
+        with self._lock:
+            self._loads_waiting += 1
         return self.pool.submit(self._job, files, layout, pages, packed)
 
     def _job(self, files, layout, pages, packed):
+        with self._lock:
+            self._loads_waiting -= 1
         self.hold.wait()
+        if packed is None and not self.cuda and packs_in_place(files, self.dtype, self.packer):
+            pack_in_place(files, layout, self.storage, pages, self.dtype, self.packer, pace=self._pace)
+            return None
         if packed is None:
             packed = read_packed(files, layout, self.page_elems, self.dtype, self.packer, pin=self.cuda,
                                  pace=self._pace)
         if not self.cuda:
             write_pages(self.storage, pages, packed, pace=self._pace)
         return packed
+
+    def copy_out(self, pages: list[int]) -> Future:
+        """Start copying these pages of the pool (host memory) into a new host buffer: -> a future of it,
+        [len(pages), page_elems], or of CopyYielded when a load was submitted meanwhile (loads go first).
+        The caller keeps the pages from being freed until it completes."""
+        return self.pool.submit(self._copy_job, list(pages))
+
+    def _copy_job(self, pages: list[int]) -> torch.Tensor:
+        self.hold.wait()
+        out = host_buffer(len(pages) * self.page_elems, self.dtype, False).view(len(pages), self.page_elems)
+        for row, page in zip(out, pages):
+            self._pace()
+            if self._loads_waiting:
+                raise CopyYielded("a load is waiting for the loader")
+            row.copy_(self.storage[page])
+        return out
 
     def _pace(self) -> None:
         """Before each piece: while a step computes, rest DUTY_REST times as long as the last piece took."""

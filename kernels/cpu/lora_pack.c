@@ -56,28 +56,59 @@ static inline float to_f32(float v, uint32_t *bad) {
 static inline float bf16_val(uint16_t h) { return bf16_to_f32(h); }
 static inline float f32_val(float v) { return v; }
 
-#define JB 16   /* B rows per tile: a tile of the source stays in L1 while its columns are written */
+#define JB 64   /* B rows per tile: converted into an L1-resident tile, then written out transposed */
 
-/* A [rows = r, cols = in] and B [rows = out, cols = r] of one source dtype into one model dtype */
+/* A [rows = r, cols = in] and B [rows = out, cols = r] of one source dtype into one model dtype. B's JB rows
+ * of all r ranks are one contiguous run of the source: converted in one vectorised pass into `tile`, then
+ * each rank's column of the tile becomes a contiguous run of Bt (or, paired, ranks 2p and 2p + 1 one run of
+ * element pairs) */
 #define DEFINE_PACK(NAME, LOAD, T, CVT, VAL)                                                                   \
-static uint32_t NAME##_a(const void *src, const pack_piece *p, T *out) {                                       \
+static uint32_t NAME##_a(const void *restrict src, const pack_piece *p, T *restrict out) {                     \
     uint32_t bad = 0;                                                                                          \
     for (int64_t k = 0; k < p->rows; k++) {                                                                    \
-        T *d = out + p->dst + (k * p->G + p->g) * p->cols;                                                     \
+        T *restrict d = out + p->dst + (k * p->G + p->g) * p->cols;                                            \
         const int64_t s = k * p->cols;                                                                         \
         for (int64_t j = 0; j < p->cols; j++) d[j] = CVT(LOAD(src, s + j), &bad);                              \
     }                                                                                                          \
     return bad;                                                                                                \
 }                                                                                                              \
-static uint32_t NAME##_b(const void *src, const pack_piece *p, T *out) {                                       \
-    const int64_t n_out = p->rows, r = p->cols, step = p->kind == 1 ? 1 : 2;                                  \
+static uint32_t NAME##_b(const void *restrict src, const pack_piece *p, T *restrict out) {                     \
+    const int64_t n_out = p->rows, r = p->cols;                                                                \
+    const float scale = p->scale;                                                                              \
     uint32_t bad = 0, unused = 0;                                                                              \
+    T tile[JB * 64 + 1];                                                                                       \
     for (int64_t j0 = 0; j0 < n_out; j0 += JB) {                                                               \
-        const int64_t j1 = j0 + JB < n_out ? j0 + JB : n_out;                                                  \
-        for (int64_t k = 0; k < r; k++) {                                                                      \
-            T *d = out + p->dst + (p->kind == 1 ? k * n_out : (k / 2) * 2 * n_out + (k & 1));                  \
-            for (int64_t j = j0; j < j1; j++)                                                                  \
-                d[j * step] = CVT(VAL(CVT(LOAD(src, j * r + k), &bad)) * p->scale, &unused);                   \
+        const int64_t nj = j0 + JB < n_out ? JB : n_out - j0;                                                  \
+        for (int64_t c0 = 0; c0 < r; c0 += 64) {                                                               \
+            const int64_t nc = c0 + 64 < r ? 64 : r - c0;                                                      \
+            if (nc == r) {                  /* the tile is one contiguous run of the source */               \
+                const int64_t s = j0 * r;                                                                      \
+                for (int64_t t = 0; t < nj * r; t++)                                                           \
+                    tile[t] = CVT(VAL(CVT(LOAD(src, s + t), &bad)) * scale, &unused);                          \
+            } else {                                                                                           \
+                for (int64_t j = 0; j < nj; j++)                                                               \
+                    for (int64_t c = 0; c < nc; c++)                                                           \
+                        tile[j * nc + c] = CVT(VAL(CVT(LOAD(src, (j0 + j) * r + c0 + c), &bad)) * scale,       \
+                                               &unused);                                                       \
+            }                                                                                                  \
+            if (p->kind == 1) {                                                                                \
+                for (int64_t c = 0; c < nc; c++) {                                                             \
+                    T *restrict d = out + p->dst + (c0 + c) * n_out + j0;                                      \
+                    for (int64_t j = 0; j < nj; j++) d[j] = tile[j * nc + c];                                  \
+                }                                                                                              \
+            } else {                                                                                           \
+                for (int64_t c = 0; c < nc; c += 2) {                                                          \
+                    T *restrict d = out + p->dst + ((c0 + c) / 2) * 2 * n_out + 2 * j0;                        \
+                    if (c + 1 < nc) {                                                                          \
+                        for (int64_t j = 0; j < nj; j++) {                                                     \
+                            d[2 * j] = tile[j * nc + c];                                                       \
+                            d[2 * j + 1] = tile[j * nc + c + 1];                                               \
+                        }                                                                                      \
+                    } else {                                                                                   \
+                        for (int64_t j = 0; j < nj; j++) d[2 * j] = tile[j * nc + c];                          \
+                    }                                                                                          \
+                }                                                                                              \
+            }                                                                                                  \
         }                                                                                                      \
     }                                                                                                          \
     return bad;                                                                                                \

@@ -76,19 +76,25 @@ class GroupPacker:
 
     @staticmethod
     def _place(pieces, page_elems: int) -> tuple[dict, int]:
-        """First fit, largest first: -> ({(key, part): flat offset}, elements spanned)."""
+        """First fit, largest first: -> ({(key, part): flat offset}, elements spanned). Pages left with less
+        room than the smallest piece are never looked at again."""
         free: list[int] = []                                 # next free element of each page
+        open_pages: list[int] = []                           # pages that may still take a piece, in order
+        smallest = min(p[0] for p in pieces)
         offsets = {}
         for n, key, part in sorted(pieces, key=lambda p: (-p[0], p[1], str(p[2]))):
             if n > page_elems:
                 raise ValueError(f"adapter: its {key[1]} LoRA of layer {key[0]} is {n} elements, more than one page "
                                  f"of the pool holds ({page_elems}); raise the block size")
-            page = next((i for i, f in enumerate(free) if f + n <= page_elems), None)
+            page = next((i for i in open_pages if free[i] + n <= page_elems), None)
             if page is None:
                 free.append(0)
                 page = len(free) - 1
+                open_pages.append(page)
             offsets[(key, part)] = page * page_elems + free[page]
             free[page] = min(page_elems, -(-(free[page] + n) // ALIGN) * ALIGN)
+            if free[page] + smallest > page_elems:
+                open_pages.remove(page)
         return offsets, (len(free) - 1) * page_elems + free[-1]
 
     def place(self, layout: PackedLayout, key: tuple[int, str], a: torch.Tensor, b: torch.Tensor,
@@ -115,11 +121,22 @@ class GroupPacker:
         """Whether pack_file reads tensors of these safetensors dtypes into `dtype` here (the C packer)."""
         return dtype in (torch.bfloat16, torch.float32) and set(dtypes) <= set(SRC_DTYPES) and _fn() is not None
 
-    def pack_file(self, layout: PackedLayout, where, address: int, flat: torch.Tensor, pace) -> tuple | None:
+    def pack_file(self, layout: PackedLayout, where, address: int, flat: torch.Tensor, pace,
+                  pages: list[int] | None = None) -> tuple | None:
         """Every module straight from the file's bytes at `address` into `flat` (zeroed): where[(layer, module)]
         = ((dtype, first byte, end byte) of A, of B), as AdapterFiles.where. The same bits as place().
+        pages: write into these rows of `flat` [num_pages, page_elems] (the pool itself; its pages zeroed)
+        instead of one contiguous space: a block never crosses a page, so each piece lands whole in one.
         Calls pace() between pieces of about CHUNK elements. -> None, or ((layer, module), "lora_A" or
         "lora_B") of the first tensor holding NaN or infinity in the model dtype."""
+        if pages is None:
+            def at(e: int) -> int:
+                return e
+        else:
+            pe = flat.shape[1]
+
+            def at(e: int) -> int:
+                return pages[e // pe] * pe + e % pe
         pieces, names, sizes = [], [], []
         for key, ((da, sa, _), (db, sb, _)) in sorted(where.items()):
             layer, module = key
@@ -127,8 +144,8 @@ class GroupPacker:
             blk = layout.blocks[(layer, g)]
             ms = layout.modules[key]
             G = len(GROUP_MODULES[g])
-            pieces.append(_Piece(sa, blk.a_offset, ms.rank, ms.n_in, 0, G, i, SRC_DTYPES[da], 0.0))
-            pieces.append(_Piece(sb, blk.b_offsets[i], ms.n_out, ms.rank, 2 if self.paired else 1, G, i,
+            pieces.append(_Piece(sa, at(blk.a_offset), ms.rank, ms.n_in, 0, G, i, SRC_DTYPES[da], 0.0))
+            pieces.append(_Piece(sb, at(blk.b_offsets[i]), ms.n_out, ms.rank, 2 if self.paired else 1, G, i,
                                  SRC_DTYPES[db], ms.scale))
             names += [(key, "lora_A"), (key, "lora_B")]
             sizes += [ms.rank * ms.n_in, ms.rank * ms.n_out]

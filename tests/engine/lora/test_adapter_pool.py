@@ -229,3 +229,64 @@ def test_the_loader_needs_a_thread():
     from engine.config import EngineConfig
     with pytest.raises(ValueError, match="loader_threads must be >= 1, got 0"):
         EngineConfig.create(loader_threads=0)
+
+
+needs_c_packer = pytest.mark.skipif(__import__("kernels.cpu.lora_pack", fromlist=["_fn"])._fn() is None,
+                                    reason="no C compiler here")
+
+
+def cpu_manager(num_pages, **cfg):
+    from kernels.cpu.lora_pack import GroupPacker
+    pool = PagePool(num_pages)
+    storage = torch.full((num_pages, PAGE), 7.0)        # stale bytes: a load must not depend on zeroed pages
+    return AdapterManager(LoraConfig(**cfg), TINY, pool, storage, GroupPacker(torch.float32)), pool
+
+
+@needs_c_packer
+def test_a_load_packs_straight_into_its_pages_and_the_host_copy_follows(tmp_path):
+    """The CPU packer writes the file into the pool's pages (no staging buffer); the host tier's copy is taken
+    from those pages afterwards, and a reload from it gives the same pages."""
+    m, pool = cpu_manager(32)
+    a = m.register("a", write_adapter(tmp_path / "a", r=3, targets=("q_proj", "v_proj", "down_proj")))
+    assert m.start_load(a)
+    m.wait_loads()
+    assert a.state == AdapterState.RESIDENT and a.adapter_id not in m.host
+    want = m.storage[a.pages].clone()
+    assert a.copy is not None and not m.evictable(a)      # its pages are being copied: not evictable
+    a.copy.result()
+    m.poll()
+    assert a.copy is None and torch.equal(m.host[a.adapter_id], want)
+    assert m.evict_idle(100) == len(want) and a.state == AdapterState.DISK
+    m.storage.fill_(-1.0)
+    load(m, a)                                             # from the host tier: a copy of its pages
+    assert m.stats.host_hits == 1 and torch.equal(m.storage[a.pages], want)
+    m.unregister("a")
+    assert pool.num_free == 32 and not m.host
+
+
+@needs_c_packer
+def test_a_host_copy_gives_way_to_a_load(tmp_path):
+    m, pool = cpu_manager(32)
+    a = m.register("a", write_adapter(tmp_path / "a", r=3))
+    b = m.register("b", write_adapter(tmp_path / "b", r=3, seed=1))
+    m.loader.pause()                                       # jobs wait: a's copy is queued, then b's load
+    assert m.start_load(a)
+    m.loader.resume()
+    m.wait_loads()
+    m.loader.pause()
+    m.poll()                                               # a resident, nothing loading: a's copy starts
+    copy = a.copy
+    assert copy is not None
+    assert m.start_load(b)                                 # a load submitted behind it
+    m.loader.resume()
+    m.wait_loads()
+    with pytest.raises(Exception, match="load is waiting"):
+        copy.result()
+    assert b.state == AdapterState.RESIDENT
+    m.poll()                                               # the copy is taken again once nothing loads
+    for x in (a, b):
+        while x.adapter_id not in m.host:
+            if x.copy is not None:
+                x.copy.result()
+            m.poll()
+        assert torch.equal(m.host[x.adapter_id], m.storage[x.pages])

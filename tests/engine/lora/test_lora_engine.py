@@ -87,12 +87,13 @@ def test_a_loading_adapter_holds_up_nobody(llm, adapter_dir, monkeypatch):
     from engine.lora.adapter_manager import AdapterState
     from ipc.requests import GenerateRequest
     d, _ = adapter_dir
-    real_read = loader.read_packed
-
-    def slow_read(*args, **kwargs):
-        _time.sleep(1.5)
-        return real_read(*args, **kwargs)
-    monkeypatch.setattr(loader, "read_packed", slow_read)
+    def slowed(real):
+        def slow(*args, **kwargs):
+            _time.sleep(1.5)
+            return real(*args, **kwargs)
+        return slow
+    for reader in ("read_packed", "pack_in_place"):      # into a staging buffer, or into the pages
+        monkeypatch.setattr(loader, reader, slowed(getattr(loader, reader)))
     llm.register_adapter("slow", str(d / "r32-mlp"))
     core = llm.engine
     core.adapters.host.clear()         # not in the host tier: the load must read the (slow) disk

@@ -14,7 +14,7 @@ from kernels.cpu.lora_pack import GroupPacker
 from tests.engine.lora.synthetic import SHAPES
 
 needs_c = pytest.mark.skipif(lora_pack._fn() is None, reason="no C compiler here")
-PAGE = 4096
+PAGE = 32768
 
 
 def write(path, src_dtype, rank=5, poison=None):
@@ -47,9 +47,10 @@ def pack_file(packer, layout, where, path, flat):
 @needs_c
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_the_c_packer_gives_the_torch_paths_bits(tmp_path, dtype, src_dtype, monkeypatch):
+@pytest.mark.parametrize("rank", [5, 70])          # 70: B's ranks in two column tiles of the C packer
+def test_the_c_packer_gives_the_torch_paths_bits(tmp_path, dtype, src_dtype, rank, monkeypatch):
     monkeypatch.setattr(lora_pack, "CHUNK", 1000)            # many pieces of calls, as for a large adapter
-    tensors, shapes, where = write(tmp_path / "w.safetensors", src_dtype)
+    tensors, shapes, where = write(tmp_path / "w.safetensors", src_dtype, rank)
     packer = GroupPacker(dtype)
     layout = packer.plan(shapes, PAGE)
     want = torch.zeros(layout.num_pages(PAGE) * PAGE, dtype=dtype)
@@ -69,3 +70,29 @@ def test_the_c_packer_names_a_tensor_that_is_not_finite(tmp_path):
     layout = packer.plan(shapes, PAGE)
     flat = torch.zeros(layout.num_pages(PAGE) * PAGE, dtype=torch.bfloat16)
     assert pack_file(packer, layout, where, tmp_path / "w.safetensors", flat) == ((1, "up_proj"), "lora_B")
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packing_into_scattered_pages_gives_each_page_what_the_flat_space_has(tmp_path, dtype):
+    """The loader packs straight into the pool: page i of the adapter's flat space lands in pages[i]."""
+    _, shapes, where = write(tmp_path / "w.safetensors", torch.float32, rank=12)
+    packer = GroupPacker(dtype)
+    page = 4096
+    layout = packer.plan(shapes, page)
+    n = layout.num_pages(page)
+    assert n >= 3
+    flat = torch.zeros(n * page, dtype=dtype)
+    assert pack_file(packer, layout, where, tmp_path / "w.safetensors", flat) is None
+    pool = torch.zeros(2 * n + 3, page, dtype=dtype)
+    pages = [2 * n + 2 - 2 * i for i in range(n)]              # scattered, descending
+    with open(tmp_path / "w.safetensors", "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
+        view = ctypes.c_char.from_buffer(mm)
+        try:
+            assert packer.pack_file(layout, where, ctypes.addressof(view), pool, lambda: None, pages) is None
+        finally:
+            del view
+    for i, p in enumerate(pages):
+        assert torch.equal(pool[p], flat[i * page:(i + 1) * page]), i
+    others = sorted(set(range(pool.shape[0])) - set(pages))
+    assert not pool[others].any()                              # nothing written outside its pages
