@@ -46,6 +46,10 @@ class PackedLayout:
     modules: dict[tuple[int, str], ModuleSlice]   # (layer, module name, e.g. "q_proj") -> where it lies
     num_elems: int
     blocks: dict[tuple[int, str], GroupBlock] = field(default_factory=dict)   # (layer, group) -> its block
+    # (first element, count) of each range that the packer leaves unwritten and the kernels read as zeros
+    # (ranks below a block's rank, a group's missing projection): what a packer that writes into reused
+    # pages zeroes first (blocks layouts only; the bytes between blocks are never read)
+    gaps: tuple[tuple[int, int], ...] = ()
 
     def num_pages(self, page_elems: int) -> int:
         return -(-self.num_elems // page_elems)

@@ -84,11 +84,15 @@ def packs_in_place(files: AdapterFiles, dtype: torch.dtype, packer: LoraPacker) 
 
 def pack_in_place(files: AdapterFiles, layout: PackedLayout, storage: torch.Tensor, pages: list[int],
                   dtype: torch.dtype, packer, pace=_no_pause) -> None:
-    """The adapter's weights from its file straight into its pages of the pool (host memory): each page
-    zeroed, then every tensor read once (memory-mapped), converted and placed; no staging copy."""
-    for page in pages:
+    """The adapter's weights from its file straight into its pages of the pool (host memory): the ranges the
+    kernels read as zeros zeroed (`layout.gaps`; the pages held other data before), then every tensor read
+    once (memory-mapped), converted and placed; no staging copy."""
+    pe = storage.shape[1]
+    flat = storage.view(-1)
+    for start, n in layout.gaps:                # a gap lies inside one block, so inside one page
         pace()
-        storage[page].zero_()
+        at = pages[start // pe] * pe + start % pe
+        flat[at:at + n].zero_()
     _pack_from_file(files, layout, packer, storage, dtype, pace, pages)
 
 

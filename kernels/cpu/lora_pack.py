@@ -26,6 +26,7 @@ GROUP_OF = {m: (g, i) for g, mods in GROUP_MODULES.items() for i, m in enumerate
 ALIGN = 32   # elements: 64 bytes in bf16
 SRC_DTYPES = {"F32": 0, "BF16": 1, "F16": 2}     # file dtypes lora_pack.c reads
 CHUNK = 1 << 17                                  # elements pack_file writes between two pace() calls
+PLANS_KEPT = 64                                  # layouts remembered by shapes (GroupPacker.plan)
 
 
 class _Piece(ctypes.Structure):
@@ -51,28 +52,45 @@ class GroupPacker:
 
     def __init__(self, dtype: torch.dtype):
         self.paired = c_lora.pairs_b(dtype)
+        self._plans: dict = {}      # (page_elems, shapes) -> PackedLayout, least recently planned first
 
     def b_elems(self, rank: int, out: int) -> int:
         return ((rank + 1) // 2) * 2 * out if self.paired else rank * out
 
     def plan(self, shapes: Shapes, page_elems: int) -> PackedLayout:
+        """The adapter's blocks in its flat space. A layout depends on the shapes alone, and adapters trained
+        with one recipe share them: the last PLANS_KEPT layouts are kept (they are immutable)."""
+        key = (page_elems, tuple(sorted(shapes.items())))
+        layout = self._plans.pop(key, None) or self._plan(shapes, page_elems)
+        self._plans[key] = layout
+        while len(self._plans) > PLANS_KEPT:
+            del self._plans[next(iter(self._plans))]
+        return layout
+
+    def _plan(self, shapes: Shapes, page_elems: int) -> PackedLayout:
         R = max(r for r, *_ in shapes.values())
-        groups: dict[tuple[int, str], dict[int, tuple[int, int]]] = {}    # (layer, group) -> {index: (in, out)}
-        for (layer, module), (_, n_in, n_out, _) in shapes.items():
+        groups: dict[tuple[int, str], dict[int, tuple[int, int, int]]] = {}   # (layer, group) -> {index: (r, in, out)}
+        for (layer, module), (r, n_in, n_out, _) in shapes.items():
             g, i = GROUP_OF[module]
-            groups.setdefault((layer, g), {})[i] = (n_in, n_out)
+            groups.setdefault((layer, g), {})[i] = (r, n_in, n_out)
         pieces = []                                          # (elements, (layer, group), 'a' or output index)
         for key, outs in groups.items():
-            n_in = next(iter(outs.values()))[0]
+            n_in = next(iter(outs.values()))[1]
             pieces.append((R * len(GROUP_MODULES[key[1]]) * n_in, key, "a"))
-            pieces += [(self.b_elems(R, n_out), key, i) for i, (_, n_out) in outs.items()]
+            pieces += [(self.b_elems(R, n_out), key, i) for i, (_, _, n_out) in outs.items()]
         offsets, used = self._place(pieces, page_elems)
-        blocks = {}
+        blocks, gaps = {}, []
         for key, outs in groups.items():
-            b = tuple(offsets.get((key, i), -1) for i in range(len(GROUP_MODULES[key[1]])))
+            G = len(GROUP_MODULES[key[1]])
+            b = tuple(offsets.get((key, i), -1) for i in range(G))
             blocks[key] = GroupBlock(offsets[(key, "a")], b, R)
+            if len(outs) < G or any(r < R for r, _, _ in outs.values()):      # zero A rows the kernels read
+                gaps.append((offsets[(key, "a")], R * G * next(iter(outs.values()))[1]))
+            for i, (r, _, n_out) in outs.items():                                # zero ranks r..R of Bt
+                if r < R or (self.paired and r % 2):
+                    gaps.append((b[i], self.b_elems(R, n_out)))
         modules = {k: ModuleSlice(-1, -1, r, n_in, n_out, scale) for k, (r, n_in, n_out, scale) in shapes.items()}
-        return PackedLayout(modules, used, blocks)
+        return PackedLayout(modules, used, blocks, tuple(sorted(gaps)))
 
     @staticmethod
     def _place(pieces, page_elems: int) -> tuple[dict, int]:

@@ -246,12 +246,25 @@ def cpu_manager(num_pages, **cfg):
 def test_a_load_packs_straight_into_its_pages_and_the_host_copy_follows(tmp_path):
     """The CPU packer writes the file into the pool's pages (no staging buffer); the host tier's copy is taken
     from those pages afterwards, and a reload from it gives the same pages."""
+    from engine.lora.loader import read_packed
     m, pool = cpu_manager(32)
-    a = m.register("a", write_adapter(tmp_path / "a", r=3, targets=("q_proj", "v_proj", "down_proj")))
+    a = m.register("a", write_adapter(tmp_path / "a", r=4, targets=("q_proj", "v_proj", "down_proj"),
+                                      config_extra={"rank_pattern": {"down_proj": 3}},
+                                      extra_tensors=_rank3_down(tmp_path)))
+    assert {s.rank for s in a.layout.modules.values()} == {3, 4} and a.layout.gaps
     assert m.start_load(a)
     m.wait_loads()
     assert a.state == AdapterState.RESIDENT and a.adapter_id not in m.host
     want = m.storage[a.pages].clone()
+    staged = read_packed(a.files, a.layout, PAGE, torch.float32, m.packer).flatten()   # zeroed, then packed
+    got = want.flatten()
+    from kernels.cpu.lora_pack import GROUP_MODULES, GROUP_OF
+    for (layer, mod), s in a.layout.modules.items():   # every element the kernels read (bytes between blocks
+        g, i = GROUP_OF[mod]                            # are never read: stale there is fine)
+        blk = a.layout.blocks[(layer, g)]
+        for off, n in ((blk.a_offset, blk.rank * len(GROUP_MODULES[g]) * s.n_in),
+                       (blk.b_offsets[i], m.packer.b_elems(blk.rank, s.n_out))):
+            assert torch.equal(got[off:off + n], staged[off:off + n]), (layer, mod)
     assert a.copy is not None and not m.evictable(a)      # its pages are being copied: not evictable
     a.copy.result()
     m.poll()
@@ -290,3 +303,10 @@ def test_a_host_copy_gives_way_to_a_load(tmp_path):
                 x.copy.result()
             m.poll()
         assert torch.equal(m.host[x.adapter_id], m.storage[x.pages])
+
+
+def _rank3_down(tmp_path):
+    """down_proj at rank 3 (its rank_pattern), below the adapter's rank 4: ranks 3..4 of its block are zeros."""
+    g = torch.Generator().manual_seed(5)
+    return {f"base_model.model.model.layers.{i}.mlp.down_proj.lora_{x}.weight": t
+            for i in range(2) for x, t in (("A", torch.randn(3, 64, generator=g)), ("B", torch.randn(32, 3, generator=g)))}
