@@ -308,5 +308,5 @@ def test_a_host_copy_gives_way_to_a_load(tmp_path):
 def _rank3_down(tmp_path):
     """down_proj at rank 3 (its rank_pattern), below the adapter's rank 4: ranks 3..4 of its block are zeros."""
     g = torch.Generator().manual_seed(5)
-    return {f"base_model.model.model.layers.{i}.mlp.down_proj.lora_{x}.weight": t
-            for i in range(2) for x, t in (("A", torch.randn(3, 64, generator=g)), ("B", torch.randn(32, 3, generator=g)))}
+    return {f"base_model.model.model.layers.{i}.mlp.down_proj.lora_{x}.weight": t for i in range(2)
+            for x, t in (("A", torch.randn(3, 64, generator=g)), ("B", torch.randn(32, 3, generator=g)))}
