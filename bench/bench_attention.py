@@ -84,7 +84,7 @@ def scenario(name: str, args, device: torch.device) -> float:
     dtype = getattr(torch, args.dtype)
     seqs = SCENARIOS[name]
     shape = default_shape(dtype)
-    sides = [Side(select_backend(b, shape, device), seqs, args.block_size, args.layers, seed=0)
+    sides = [Side(select_backend(b, shape, device, args.block_size), seqs, args.block_size, args.layers, seed=0)
              for b in (args.backend, "torch")]
     q = torch.randn(sum(n for _, n in seqs), shape.num_heads, shape.head_dim,
                     generator=torch.Generator().manual_seed(1)).to(dtype).to(device)

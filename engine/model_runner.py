@@ -53,7 +53,7 @@ class ModelRunner:
         m = cfg.model
         self.block_size = cfg.cache.block_size
         configure_cpu_kernels(envs.cache_dir(), envs.cpu_kernels_enabled())
-        self.backend = select_backend(cfg.backend, m, cfg.device)
+        self.backend = select_backend(cfg.backend, m, cfg.device, self.block_size)
         self.device = self.backend.device
         self.model = LlamaModel(m, load_weights(m, self.backend), self.backend, envs.c_decoder())
         if self.device.type == "cpu":

@@ -131,23 +131,33 @@ class FusedDecoder(Protocol):
 
 
 class Backend(ABC):
-    """One kind of compute. Built once per engine for one model shape (its dtype included) and device."""
+    """One kind of compute. Built once per engine for one model shape (its dtype included), device and KV
+    block size: everything a backend decides (which kernels, which KV layout, which attention metadata)
+    is decided in its constructor, never later as a side effect."""
     name: str = "abstract"
 
-    def __init__(self, shape: ModelShape, device: torch.device | str = "cpu"):
+    def __init__(self, shape: ModelShape, device: torch.device | str = "cpu", block_size: int = 16):
         self.shape = shape
         self.dtype = shape.dtype
         self.device = torch.device(device)
+        self.block_size = block_size    # tokens per KV block (one page of the pool holds one of every layer)
 
     # -- memory layout ---------------------------------------------------------------------------------
     def kv_caches(self, storage: torch.Tensor, num_layers: int, block_size: int, kv_heads: int,
                   head_dim: int) -> list[KVCache]:
         """Per-layer (K, V) views of the page pool storage [num_pages, page_elems]. A page holds one block of
-        every layer, [layers, 2 (K, V), block_size * kv_heads * head_dim]. Default: the row layout, K and V
-        [num_pages, block_size, kv_heads, head_dim]."""
+        every layer, [layers, 2 (K, V), block_size * kv_heads * head_dim]; block_size must be the backend's
+        own (ValueError otherwise). Default: the row layout, K and V [num_pages, block_size, kv_heads,
+        head_dim]. Only views: the same storage gives the same views every time."""
+        self.check_block_size(block_size)
         n = storage.shape[0]
         paged = storage.view(n, num_layers, 2, block_size, kv_heads, head_dim)
         return [(paged[:, i, 0], paged[:, i, 1]) for i in range(num_layers)]
+
+    def check_block_size(self, block_size: int) -> None:
+        if block_size != self.block_size:
+            raise ValueError(f"backend {self.name!r} was built for blocks of {self.block_size} tokens, not "
+                             f"{block_size}")
 
     @property
     def every_token_a_row(self) -> bool:

@@ -35,8 +35,9 @@ def configure_cpu_kernels(cache_dir: str | None = None, enabled: bool | None = N
     build.configure(cache_dir, enabled)
 
 
-def select_backend(name: str, shape: ModelShape, device: str | torch.device = "cpu") -> Backend:
-    """The backend called `name` (one of BACKENDS) for this model shape on `device`."""
+def select_backend(name: str, shape: ModelShape, device: str | torch.device = "cpu", block_size: int = 16) -> Backend:
+    """The backend called `name` (one of BACKENDS) for this model shape on `device`, with KV blocks of
+    `block_size` tokens (the engine's --block-size)."""
     if name not in BACKENDS:
         raise ValueError(f"backend: {name!r} is not one of {', '.join(BACKENDS)}")
     dev = resolve_device(device)
@@ -48,11 +49,11 @@ def select_backend(name: str, shape: ModelShape, device: str | torch.device = "c
                 name = "torch"
     if name == "torch":
         from kernels.reference.backend import TorchBackend
-        return TorchBackend(shape, dev)
+        return TorchBackend(shape, dev, block_size)
     if name == "cpu":
         if dev.type != "cpu":
             raise ValueError(f"backend 'cpu' runs on the CPU, not on {dev}")
         from kernels.cpu.backend import CpuBackend
-        return CpuBackend(shape, dev)
+        return CpuBackend(shape, dev, block_size)
     from kernels.triton.backend import TritonBackend
-    return TritonBackend(shape, dev)
+    return TritonBackend(shape, dev, block_size)

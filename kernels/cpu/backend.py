@@ -1,6 +1,8 @@
 """The CPU backend: the C kernels of this package where they cover the dtype and shapes, the reference
 backend's torch ops elsewhere (per op, decided once).
 
+The KV mode (`KvMode`: paired, keys-last or rows) is chosen once, when the backend is built for its
+block size, and fixes the KV views, the attention kernel and the metadata it takes.
 bf16 on AVX512-BF16: packed GEMM with decode tokens' LoRA inside it, KV in the paired layout that
 vdpbf16ps reads, and the one-call decoder (decoder.c). bf16 on AVX2 + FMA: the fp32-compute GEMM and
 LoRA kernels, K stored keys-last and attention over tiles of rows (paged_tiled_attention.c). float32:
@@ -8,6 +10,7 @@ that attention, elementwise ops and LoRA decode kernel over torch GEMMs.
 """
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 
 import torch
@@ -24,15 +27,29 @@ from kernels.cpu.paged_adapters import CpuPagedAdapters
 from kernels.reference.backend import TorchBackend
 
 
+class KvMode(enum.Enum):
+    """How the CPU backend keeps and reads the KV cache; one per backend, chosen when it is built."""
+    PAIRED = "paired"        # bf16 K/V in the pairs vdpbf16ps reads; every token a row; the one-call decoder
+    KEYS_LAST = "keys_last"  # K stored keys-last; a request's rows in tiles of TILE_ROWS (paged_tiled_attention.c)
+    ROWS = "rows"            # the reference layout and SDPA over gathered blocks (no C attention kernel fits)
+
+
+def kv_mode(dtype: torch.dtype, num_heads: int, head_dim: int, block_size: int) -> KvMode:
+    """The fastest mode this host's C kernels run for this shape and block size."""
+    if not c_attention.tiled_supports(dtype, num_heads, head_dim) or block_size > c_attention.MAX_BLOCK:
+        return KvMode.ROWS
+    if c_attention.paired_supported(dtype, head_dim, block_size):
+        return KvMode.PAIRED
+    return KvMode.KEYS_LAST
+
+
 class CpuBackend(TorchBackend):
     name = "cpu"
 
-    def __init__(self, shape: ModelShape, device: torch.device | str = "cpu"):
-        super().__init__(shape, device)
+    def __init__(self, shape: ModelShape, device: torch.device | str = "cpu", block_size: int = 16):
+        super().__init__(shape, device, block_size)
         self.fused_ops = elementwise.supports(self.dtype)
-        # every token one query row of a C kernel; else SDPA over gathered blocks
-        self.c_attention = c_attention.tiled_supports(self.dtype, shape.num_heads, shape.head_dim)
-        self.paired_kv = False          # set by kv_caches: bf16 K/V in the pairs vdpbf16ps reads
+        self.kv_mode = kv_mode(self.dtype, shape.num_heads, shape.head_dim, block_size)
 
     @staticmethod
     def available() -> bool:
@@ -41,22 +58,22 @@ class CpuBackend(TorchBackend):
 
     # -- memory layout ---------------------------------------------------------------------------------
     def kv_caches(self, storage, num_layers, block_size, kv_heads, head_dim) -> list[KVCache]:
-        self.c_attention = self.c_attention and block_size <= c_attention.MAX_BLOCK
-        self.paired_kv = self.c_attention and c_attention.paired_supported(self.dtype, head_dim, block_size)
-        if self.paired_kv:
+        self.check_block_size(block_size)
+        if self.kv_mode == KvMode.PAIRED:
             return c_attention.paired_views(storage, num_layers, block_size, kv_heads, head_dim)
-        if self.c_attention:
+        if self.kv_mode == KvMode.KEYS_LAST:
             return c_attention.keys_last_views(storage, num_layers, block_size, kv_heads, head_dim)
         return super().kv_caches(storage, num_layers, block_size, kv_heads, head_dim)
 
     @property
     def every_token_a_row(self) -> bool:
-        return self.c_attention
+        """Both C modes take every token as a query row (no PrefillSeq in their metadata)."""
+        return self.kv_mode != KvMode.ROWS
 
     @property
     def query_tile_rows(self) -> int:
         """Rows in tiles for the keys-last kernel; the paired kernel takes rows one by one."""
-        return c_attention.TILE_ROWS if self.c_attention and not self.paired_kv else 0
+        return c_attention.TILE_ROWS if self.kv_mode == KvMode.KEYS_LAST else 0
 
     # -- the base model --------------------------------------------------------------------------------
     def linear(self, weight: torch.Tensor) -> CpuLinear:
@@ -78,9 +95,9 @@ class CpuBackend(TorchBackend):
         return elementwise.rope_(x, cos, sin) if self.fused_ops else super().rope(x, cos, sin)
 
     def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
-        if self.paired_kv:
+        if self.kv_mode == KvMode.PAIRED:
             c_attention.write_kv_paired(k_cache, v_cache, k, v, meta.slot_page, meta.slot_offset)
-        elif self.c_attention:
+        elif self.kv_mode == KvMode.KEYS_LAST:
             c_attention.write_kv_keys_last(k_cache, v_cache, k, v, meta.slot_page, meta.slot_offset)
         elif self.fused_ops:
             elementwise.write_kv(k_cache, v_cache, k, v, meta.slot_page, meta.slot_offset)
@@ -88,10 +105,10 @@ class CpuBackend(TorchBackend):
             super().write_kv(k_cache, v_cache, k, v, meta)
 
     def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
-        if not self.c_attention:
+        if self.kv_mode == KvMode.ROWS:
             return super().attention(q, k_cache, v_cache, meta, scale)
         assert not meta.prefills and meta.num_decode == q.shape[0], "the C kernels take every token as a row"
-        if self.paired_kv:
+        if self.kv_mode == KvMode.PAIRED:
             return c_attention.paired_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,
                                                 scale)
         return c_attention.tiled_attention(q, k_cache, v_cache, meta.seq_block_tables, meta.query_tiles, scale)
@@ -110,7 +127,7 @@ class CpuBackend(TorchBackend):
         return LoraBatch.build(slots, list(token_slots), num_decode)
 
     def decoder(self, shape, layers, kv_caches) -> Decoder | None:
-        return Decoder.create(shape, layers, kv_caches) if self.paired_kv else None
+        return Decoder.create(shape, layers, kv_caches) if self.kv_mode == KvMode.PAIRED else None
 
     # -- sampling --------------------------------------------------------------------------------------
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:

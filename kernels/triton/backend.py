@@ -21,8 +21,8 @@ from kernels.reference.backend import TorchBackend
 class TritonBackend(TorchBackend):
     name = "triton"
 
-    def __init__(self, shape: ModelShape, device: torch.device | str = "cpu"):
-        super().__init__(shape, device)
+    def __init__(self, shape: ModelShape, device: torch.device | str = "cpu", block_size: int = 16):
+        super().__init__(shape, device, block_size)
         if not self.runs_on(self.device):
             raise ValueError(f"backend 'triton': needs a CUDA device, or TRITON_INTERPRET=1 on {self.device}")
         # NOTE: these import triton, which reads TRITON_INTERPRET once, when first imported
