@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -20,6 +19,8 @@ import time
 from pathlib import Path
 
 import aiohttp
+
+from frontends import ready
 
 CONFIG = """[auth]
 admin_keys = ["sk-admin"]
@@ -36,11 +37,7 @@ def start_server(config: Path, policy: str, max_num_seqs: int) -> tuple[subproce
     proc = subprocess.Popen([sys.executable, "-m", "frontends.cli", "serve", "--port", "0", "--frontends", "1",
                              "--config", str(config), "--scheduling-policy", policy,
                              "--max-num-seqs", str(max_num_seqs)], stdout=subprocess.PIPE, text=True)
-    for line in proc.stdout:
-        m = re.search(r"serving .* at (http://\S+)/v1", line)
-        if m:
-            return proc, m.group(1)
-    raise RuntimeError("server did not start")
+    return proc, ready.wait_for(proc.stdout)["url"]
 
 
 async def stream(session, url: str, key: str, prompt: str, max_tokens: int) -> tuple[float, float, list[float]]:

@@ -29,6 +29,7 @@ from pathlib import Path
 import aiohttp
 
 from bench.soak import zipf
+from frontends import ready
 
 
 def prepare(work: Path, adapters: int) -> tuple[Path, Path]:
@@ -54,12 +55,9 @@ def start(model: Path, adapters: Path, routing: str, bound: float, host_tier: in
                              "--max-adapters-per-replica", str(host_tier),
                              "--kv-cache-memory-bytes", str(pool_mib << 20)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    for line in proc.stdout:
-        m = re.search(r"serving at (http://\S+)/v1", line)
-        if m:
-            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-            return proc, m.group(1)
-    raise RuntimeError("the Ray application did not start")
+    url = ready.wait_for(proc.stdout)["url"]
+    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+    return proc, url
 
 
 async def one(session, url: str, model: str, stats: dict) -> None:

@@ -1,10 +1,11 @@
 """Start and stop a real `loraplex serve` for a benchmark (the launcher's ready line gives the URL)."""
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import time
+
+from frontends import ready
 
 
 def start_server(flags: list[str], quiet: bool = True) -> tuple[subprocess.Popen, str]:
@@ -23,11 +24,11 @@ def start_timed(flags: list[str], quiet: bool = True) -> tuple[subprocess.Popen,
         lines.append(line)
         if not quiet:
             sys.stderr.write(line)
-        m = re.search(r"serving .* at (http://\S+)/v1", line)
-        if m:
-            ready = time.perf_counter() - t0
+        info = ready.parse(line)
+        if info:
+            took = time.perf_counter() - t0
             _drain(proc)
-            return proc, m.group(1), ready
+            return proc, info["url"], took
     raise RuntimeError("server did not start:\n" + "".join(lines[-30:]))
 
 

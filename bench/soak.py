@@ -30,6 +30,8 @@ from pathlib import Path
 
 import aiohttp
 
+from frontends import ready
+
 TENANTS = ("acme", "globex", "initech")
 ADMIN = "sk-admin"
 
@@ -63,13 +65,8 @@ class Server:
              "--dtype", "float32", "--adapter-dir", str(adapters), "--config", str(config),
              "--max-num-seqs", str(max_num_seqs), "--max-loras", "16", "--stream-timeout", "20"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for line in self.proc.stdout:
-            m = re.search(r"serving .* at (http://\S+)/v1 .* at (ipc://\S+)\)", line)
-            if m:
-                self.url, self.address = m.group(1), m.group(2)
-                break
-        else:
-            raise RuntimeError("the server did not start")
+        info = ready.wait_for(self.proc.stdout, lambda line: None)
+        self.url, self.address = info["url"], info["engine_address"]
         self.log: list[str] = []
         asyncio.get_running_loop().run_in_executor(None, self._drain)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import signal
@@ -19,7 +18,7 @@ from jinja2 import TemplateError
 
 from engine import envs, metrics
 from engine.tokenizer import encode_chat, load_tokenizer
-from frontends import api_types, sse
+from frontends import api_types, ready, sse
 from frontends import openai_protocol as oai
 from frontends.api_types import ChatCompletionRequest, CompletionRequest, LoadLoraRequest, UnloadLoraRequest
 from frontends.auth import Auth, parse_auth
@@ -273,7 +272,7 @@ async def serve(engine_address: str, host: str, port: int, auth: Auth, frontend_
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_port=True)
     await site.start()
-    print(json.dumps({"ready": True, "frontend": frontend_id}), flush=True)
+    ready.announce(frontend=frontend_id)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

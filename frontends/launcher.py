@@ -1,7 +1,9 @@
 """`loraplex serve`: start one engine process and N HTTP frontend processes on one port.
 
 Processes are started with subprocess (never multiprocessing's pickling); each child prints one JSON
-line on stdout when ready. A frontend that dies is restarted. A dead engine is restarted too; the
+line on stdout when ready, and so does the launcher once all are (frontends/ready.py). Every child dies with
+the launcher, however it dies (frontends/lifetime.py), and a port another server holds is refused. A
+frontend that dies is restarted. A dead engine is restarted too; the
 frontends reconnect by themselves and resend its in-flight requests (see frontends/engine_client.py).
 SIGINT / SIGTERM shut every process down cleanly: the frontends first, each finishing its running requests
 (up to --shutdown-timeout seconds) while the engine still serves them, then the engine.
@@ -19,6 +21,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from frontends import ready
+from frontends.lifetime import die_with_parent, port_holder
 
 log = logging.getLogger("loraplex.serve")
 
@@ -39,17 +44,16 @@ class Child:
     def start(self) -> None:
         self.ready.clear()
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                                     text=True)
+                                     text=True, preexec_fn=die_with_parent())
         threading.Thread(target=self._watch, daemon=True).start()
 
     def _watch(self) -> None:
         for line in self.proc.stdout:
-            try:
-                info = json.loads(line)
-                if info.get("ready"):
-                    self.info = info
-                    self.ready.set()
-            except (json.JSONDecodeError, AttributeError):
+            info = ready.parse(line)
+            if info is not None:
+                self.info = info
+                self.ready.set()
+            else:
                 sys.stdout.write(line)
 
     def wait_ready(self, timeout: float) -> None:
@@ -88,6 +92,10 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
     if auth:
         env["LORAPLEX_AUTH"] = json.dumps(auth)
     address = f"ipc://{run_dir}/engine.sock"
+    if port and (holder := port_holder(host, port)):
+        print(f"loraplex: error: {host}:{port} is already served by {holder}; stop it or choose another --port",
+              file=sys.stderr, flush=True)
+        return 1
     port = port or free_port(host)
     py = sys.executable
     engine_argv = [py, "-m", "engine.serving.engine_proc", "--address", address,
@@ -119,8 +127,11 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
         for f in fronts:
             f.wait_ready(300)
         url = f"http://{host}:{port}"
-        print(f"loraplex: serving {engine.info.get('model', engine_kwargs.get('model'))} at {url}/v1 "
-              f"({frontends} frontend{'s' * (frontends != 1)}; engine pid {engine.proc.pid} at {address})", flush=True)
+        model = engine.info.get("model", engine_kwargs.get("model"))
+        print(f"loraplex: serving {model} at {url}/v1 ({frontends} frontend{'s' * (frontends != 1)}; engine pid "
+              f"{engine.proc.pid} at {address})", file=sys.stderr, flush=True)
+        ready.announce(url=url, model=model, engine_address=address, pid=os.getpid(), engine_pid=engine.proc.pid,
+                       frontend_pids=[f.proc.pid for f in fronts])
         while not stopping.wait(0.5):
             if engine.proc.poll() is not None:
                 print(f"loraplex: the engine exited with code {engine.proc.returncode}; restarting it", flush=True)

@@ -2,6 +2,7 @@
 (or the cluster at --ray-address), until SIGINT / SIGTERM."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -29,25 +30,71 @@ def replica_argv(argv: list[str]) -> list[str]:
 
 def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, port: int,
                  ray_address: str | None, routing: str = "adapter", load_bound: float = 0.0) -> int:
+    """Serve until SIGINT / SIGTERM; return only once every replica's processes are gone."""
+    import sys
+
     import ray
     from ray import serve
 
+    from frontends import ready
     from frontends.launcher import free_port
+    from frontends.lifetime import port_holder
     from frontends.ray_app import build_app
+    if port and (holder := port_holder(host, port)):
+        print(f"loraplex: error: {host}:{port} is already served by {holder}; stop it or choose another --port",
+              file=sys.stderr, flush=True)
+        return 1
     ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
     port = port or free_port(host)
     serve.start(http_options={"host": host, "port": port})
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
+    pids: list[int] = []
     try:
         app = build_app(replica_argv(argv), replicas, max_adapters, routing=routing, load_bound=load_bound)
         serve.run(app, name="loraplex", route_prefix="/")
         where = ray_address or "a local Ray instance"
-        print(f"loraplex: serving at http://{host}:{port}/v1 ({replicas} replicas on Ray Serve, {where})", flush=True)
-        stopping.wait()
+        url = f"http://{host}:{port}"
+        print(f"loraplex: serving at {url}/v1 ({replicas} replicas on Ray Serve, {where})", file=sys.stderr,
+              flush=True)
+        ready.announce(url=url, replicas=replicas, pid=os.getpid())
+        directory = serve.get_deployment_handle("Directory", app_name="loraplex")
+        while not stopping.wait(1.0):       # the replicas' processes now, replacements included
+            with contextlib.suppress(Exception):
+                pids = sorted({p for info in directory.all.remote().result().values() for p in info.get("pids", [])})
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        for stop in (serve.shutdown, ray.shutdown):    # Ray's own processes may have had the signal too
+            with contextlib.suppress(Exception):
+                stop()
+        left = wait_gone(pids, STOP_WAIT_S)
+        if left:
+            print(f"loraplex: processes {left} still ran {STOP_WAIT_S:.0f} s after the stop; killed", flush=True)
         print("loraplex: stopped", flush=True)
     return 0
+
+
+STOP_WAIT_S = 90.0      # a replica's server drains up to --shutdown-timeout (30 s) before it exits
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Wait until none of `pids` runs (SIGKILL those left after `timeout` s) -> the pids that had to be killed."""
+    import time
+    deadline = time.monotonic() + timeout
+    alive = [p for p in pids if _alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        alive = [p for p in alive if _alive(p)]
+    for p in alive:
+        with contextlib.suppress(OSError):
+            os.kill(p, signal.SIGKILL)
+    return alive
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -13,8 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
 import threading
@@ -23,11 +21,8 @@ import aiohttp
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when the replica's process dies (no orphaned engines)."""
-    import ctypes
-    ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)     # PR_SET_PDEATHSIG
+from frontends import ready
+from frontends.lifetime import die_with_parent
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -56,20 +51,23 @@ class _Replica:
         host = os.environ.get("LORAPLEX_REPLICA_HOST", "127.0.0.1")
         self.proc = subprocess.Popen([sys.executable, "-m", "frontends.cli", "serve", "--host", host, "--port", "0",
                                       "--frontends", "1", *serve_args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, preexec_fn=_die_with_parent)
-        self.url, self.model = await asyncio.get_running_loop().run_in_executor(None, self._wait_ready)
+                                     stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent())
+        info = await asyncio.get_running_loop().run_in_executor(None, self._wait_ready)
+        self.url, self.model = info["url"], info["model"]
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         self.directory = directory
-        await directory.register.remote(self.name, {"url": self.url, "pid": os.getpid(), "model": self.model})
+        pids = [self.proc.pid, info["engine_pid"], *info["frontend_pids"]]    # what must be gone at the end
+        await directory.register.remote(self.name, {"url": self.url, "pid": os.getpid(), "model": self.model,
+                                                    "pids": pids})
 
-    def _wait_ready(self) -> tuple[str, str]:
-        for line in self.proc.stdout:
-            m = re.search(r"serving (\S+) at (http://\S+)/v1", line)
-            if m:
-                threading.Thread(target=self._drain, daemon=True).start()
-                return m.group(2), m.group(1)
-            print(line, end="", flush=True)
-        raise RuntimeError("the replica's loraplex server did not start")
+    def _wait_ready(self) -> dict:
+        """The server's ready line (frontends/ready.py); its other output goes to the replica's log."""
+        try:
+            info = ready.wait_for(self.proc.stdout, lambda line: print(line, end="", flush=True))
+        except RuntimeError:
+            raise RuntimeError("the replica's loraplex server did not start") from None
+        threading.Thread(target=self._drain, daemon=True).start()
+        return info
 
     def _drain(self) -> None:
         for line in self.proc.stdout:

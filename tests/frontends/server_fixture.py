@@ -8,25 +8,32 @@ import sys
 import threading
 import time
 
+from frontends import ready
+
 
 class Server:
     def __init__(self, *args: str, timeout: float = 600):
         self.proc = subprocess.Popen([sys.executable, "-m", "frontends.cli", "serve", "--port", "0", *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
+        self.info: dict | None = None           # the launcher's ready line (frontends/ready.py)
         self.ready = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
         if not self.ready.wait(timeout):
             self.stop()
             raise RuntimeError("server did not start:\n" + "".join(self.lines[-40:]))
-        line = next(l for l in self.lines if "serving" in l)
-        self.url = re.search(r"(http://\S+)/v1", line).group(1)
-        self.engine_address = re.search(r"at (ipc://\S+)\)", line).group(1)
+        if self.info is None:
+            self.stop()
+            raise RuntimeError("server did not start:\n" + "".join(self.lines[-40:]))
+        self.url, self.engine_address = self.info["url"], self.info["engine_address"]
+        self.engine_pid = self.info["engine_pid"]
 
     def _read(self) -> None:
         for line in self.proc.stdout:
             self.lines.append(line)
-            if "loraplex: serving" in line:
+            info = ready.parse(line)
+            if info is not None:
+                self.info = info
                 self.ready.set()
             if "loraplex: error" in line:
                 self.ready.set()

@@ -344,7 +344,7 @@ def test_a_request_made_while_the_engine_is_unavailable_waits_for_it(server, cli
     import os
     import signal
     import threading
-    pid = int(__import__("re").search(r"engine pid (\d+)", "".join(server.lines)).group(1))
+    pid = server.engine_pid
     os.kill(pid, signal.SIGSTOP)
     result: dict = {}
     try:
@@ -372,14 +372,13 @@ def test_kill_9_of_the_engine_loses_no_in_flight_request(server, client, served_
     HTTP, carries on to its full length (resent as prompt + tokens so far), with the seeded tokens an
     uninterrupted run gives."""
     import os
-    import re
     import signal
     _, src = served_adapters
     body = {"lora_name": "tenant-x", "lora_path": str(src / "r8-all")}
     r = requests.post(server.url + "/v1/load_lora_adapter", json=body,
                       headers=AUTH)
     assert r.status_code == 200, r.text
-    pid = int(re.search(r"engine pid (\d+)", "".join(server.lines)).group(1))
+    pid = server.engine_pid
     n = 40
     body = {"model": "tenant-x", "prompt": "An endless story:", "max_tokens": n, "temperature": 1.0, "seed": 1234,
             "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}

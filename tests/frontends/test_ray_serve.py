@@ -4,19 +4,21 @@ models, and a replica killed mid-run losing no request silently. Tiny random Lla
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import openai
 import pytest
 import requests
 
+from frontends import ready as ready_line
 from tests.frontends.server_fixture import wait_until
 
 pytest.importorskip("ray.serve")
@@ -33,21 +35,33 @@ class RayServer:
         def read():
             for line in self.proc.stdout:
                 self.lines.append(line)
-                if "loraplex: serving" in line:
+                if ready_line.parse(line):
+                    self.info = ready_line.parse(line)
                     ready.set()
         threading.Thread(target=read, daemon=True).start()
         if not ready.wait(timeout):
             self.stop()
             raise RuntimeError("the Ray application did not start:\n" + "".join(self.lines[-60:]))
-        self.url = re.search(r"at (http://\S+)/v1", next(l for l in self.lines if "loraplex: serving" in l)).group(1)
+        self.url = self.info["url"]
 
     def stop(self) -> int:
-        self.proc.send_signal(signal.SIGINT)
+        """SIGTERM to the whole process group, as Ctrl-C in a terminal or systemd do."""
+        os.killpg(self.proc.pid, signal.SIGTERM)
         try:
-            return self.proc.wait(120)
+            return self.proc.wait(150)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             return self.proc.wait()
+
+    def left(self) -> list[str]:
+        """The processes of its session (every process it started, and theirs) still running."""
+        out = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError):
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if int(fields[3]) == self.proc.pid and fields[0] != "Z":       # session id; not a zombie
+                    out.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:100])
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +72,10 @@ def ray_server(tiny_served, tmp_path_factory):
     s = RayServer("--model", str(model), "--dtype", "float32", "--adapter-dir", str(adapters), "--lora-roots",
                   str(roots), "--kv-cache-memory-bytes", str(64 << 20), "--max-adapters-per-replica", "2")
     s.roots = roots
+    assert s.info["replicas"] == 2 and s.info["pid"] == s.proc.pid
     yield s
     assert s.stop() == 0
+    assert not s.left(), s.left()          # serve --replicas returns only once its processes are gone
 
 
 @pytest.fixture()

@@ -59,10 +59,9 @@ def test_sigterm_to_every_process_at_once_still_finishes_running_streams(tiny_se
     the signal while streams run; it finishes the requests it admitted before it exits, and refuses new
     ones with a 503."""
     import os
-    import re
     model, _ = tiny_served
     s = Server("--model", str(model), "--dtype", "float32", "--frontends", "1", "--shutdown-timeout", "60")
-    engine = int(re.search(r"engine pid (\d+)", "".join(s.lines)).group(1))
+    engine = s.engine_pid
     n = 1500
     body = {"model": requests.get(s.url + "/v1/models", timeout=10).json()["data"][0]["id"],
             "prompt": "Once upon a time", "max_tokens": n, "stream": True, "ignore_eos": True, "temperature": 0,
