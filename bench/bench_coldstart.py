@@ -4,7 +4,8 @@
   copy limit of this host);
 - loraplex: a cold load as the engine does it for a request naming an adapter not registered yet (its
   files in the page cache): register (config and header) + load (read, convert, pack, write its pages),
-  until its pages are ready, through the engine's own loader thread;
+  until its pages are ready, through the engine's own loader thread (the start-up's objects frozen out of
+  the garbage collector, as in the server's engine process);
 - PEFT: `PeftModel.load_adapter` of the same folder into the base model.
 Prints the medians and both ratios (goals: loraplex <= 3x memcpy, >= 100x faster than PEFT); writes
 bench/results/coldstart.json and .png (per-adapter times against file size).
@@ -69,6 +70,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from engine.config import EngineConfig
+    from engine.core.engine_core import freeze_startup_objects
     from engine.llm import LLM
     from engine.model.resolve import resolve_model
     work = Path(args.workdir or Path(tempfile.gettempdir()) / "loraplex-bench-coldstart")
@@ -78,6 +80,7 @@ def main() -> None:
     sizes = [d.joinpath("adapter_model.safetensors").stat().st_size for d in dirs]
     copy = [memcpy_seconds(d / "adapter_model.safetensors") for d in dirs]
     llm = LLM(dtype=args.dtype)
+    freeze_startup_objects()        # as the server's engine process does once it is built
     loraplex_seconds(llm, "warm-up", dirs[0])
     ours = [loraplex_seconds(llm, f"c{i}", d) for i, d in enumerate(dirs)]
     llm.engine.adapters.close()

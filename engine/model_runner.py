@@ -63,8 +63,6 @@ class ModelRunner:
         self.sampler = Sampler(cfg.seed, self.backend.argmax)
         self.kv_caches = self.backend.kv_caches(self.storage, m.num_layers, self.block_size, m.num_kv_heads,
                                                 m.head_dim)
-        # When a dict, execute() stores each sampling request's fp32 logits [vocab] in it (for tests).
-        self.capture_logits: dict[str, torch.Tensor] | None = None
 
     def prepare(self, out: SchedulerOutput) -> ForwardInput:
         ids, pos = [], []
@@ -128,9 +126,6 @@ class ModelRunner:
         if not inp.sample_rows:
             return ModelOutput()
         reqs = [out.requests[r] for r in inp.sample_rows]
-        if self.capture_logits is not None:
-            for req, row in zip(reqs, logits):
-                self.capture_logits[req.request_id] = row.to(torch.float32, copy=True)
         params = [r.params for r in reqs]
         history = [_history(r) for r in reqs] if any(p.processes_logits for p in params) else None
         tokens = self.sampler.sample(logits, params, [r.num_resumed + len(r.output_token_ids) for r in reqs], history)

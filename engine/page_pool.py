@@ -101,11 +101,6 @@ class PagePool:
                 n += 1
         return n
 
-    def reset_prefix_cache(self) -> None:
-        for page in list(self.hash_to_page.values()):
-            self.page_hash[page] = None
-        self.hash_to_page.clear()
-
     def _drop_hash(self, page: int) -> None:
         h = self.page_hash[page]
         if h is not None:

@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from engine import envs, metrics
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore
+from engine.core.engine_core import EngineCore, freeze_startup_objects
 from engine.output_processor import OutputProcessor
 from engine.serving.adapter_commands import AdapterCommands
 from engine.serving.adapter_journal import AdapterJournal
@@ -77,6 +77,7 @@ class AsyncEngine:
             log.info("%d adapters listed in %s (each read when first used)", len(self.adapter_ops.catalog.listed),
                      self.adapter_dir)
         await self.adapter_ops.restore()
+        freeze_startup_objects()            # this engine lives as long as this process
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)

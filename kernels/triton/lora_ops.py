@@ -129,7 +129,7 @@ def _sgmv_expand_kernel(v_ptr, y_ptr, pool_ptr, table_ptr, table_stride, b_off_p
 
 # NOTE: tile sizes keep each program's weight tile near TILE elements, whatever the rank: with the whole
 # rank-64 tile in one program, ptxas gave BGMV shrink 254 registers a thread (8 resident warps per SM) and
-# SGMV expand a spill; `python -m kernels.triton.compile_check` prints these figures for every launch.
+# SGMV expand a spill; `python -m bench.triton.compile_check` prints these figures for every launch.
 SHRINK_ROWS = 16       # rows of A one BGMV shrink program reduces (the rank is split over programs)
 TILE = 1024            # weight elements an expand program holds at once: BLOCK_N = TILE // BLOCK_R, 16..64
 

@@ -9,7 +9,7 @@ target's limit. Registers, spills and the resulting occupancy come from ptxas's 
 (`resource_usage`); a spill is reported, not failed. Speed needs a GPU.
 
 Run in a process without TRITON_INTERPRET (triton reads it once, at import):
-    python -m kernels.triton.compile_check [--quick]
+    python -m bench.triton.compile_check [--quick]
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.triton import resource_usage
+from bench.triton import resource_usage
 
 # (name, compute capability, shared memory per block in bytes): A100, L4 / L40S, H100
 TARGETS = (("sm_80", 80, 166912), ("sm_89", 89, 101376), ("sm_90", 90, 232448))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.triton import resource_usage as ru
+from bench.triton import resource_usage as ru
 
 LOG = """ptxas info    : 0 bytes gmem
 ptxas info    : Compiling entry function '_bgmv_expand_kernel' for 'sm_90a'

@@ -22,7 +22,7 @@ def run(tmp_path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_every_kernel_compiles_as_launched_for_sm80_and_sm90_without_spilling(tmp_path):
-    r = run(tmp_path, "-m", "kernels.triton.compile_check", "--quick")
+    r = run(tmp_path, "-m", "bench.triton.compile_check", "--quick")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     lines = [line for line in r.stdout.splitlines() if line.startswith("ok ")]
     usage = [re.search(r"(\d+) registers, spills (\d+) B, (\d+)/(\d+) warps per SM", line) for line in lines]
@@ -40,7 +40,7 @@ def test_every_kernel_compiles_as_launched_for_sm80_and_sm90_without_spilling(tm
 def test_the_check_reports_a_kernel_that_does_not_compile_or_fit(tmp_path):
     code = textwrap.dedent("""
         import io
-        from kernels.triton import compile_check as cc
+        from bench.triton import compile_check as cc
         good = cc.record_step(cc.SHAPES[0], cc.torch.float32, 64)
         shrink = next(x for x in good if x.name == "_sgmv_shrink_kernel")
         wrong = tuple((n, "i32" if n == "pool_ptr" else t) for n, t in shrink.signature)
