@@ -35,12 +35,26 @@ def configure_cpu_kernels(cache_dir: str | None = None, enabled: bool | None = N
     build.configure(cache_dir, enabled)
 
 
+def check_dtype_runs_on(device: torch.device, dtype: torch.dtype) -> None:
+    """bfloat16 needs a GPU of compute capability 8.0 or more (Ampere): Triton's bf16 `tl.dot` and torch's
+    bf16 GEMMs do not run below. ValueError naming the GPU and what to do instead."""
+    import torch
+    if dtype != torch.bfloat16:
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 0):
+        raise ValueError(f"dtype: bfloat16 needs a GPU of compute capability 8.0 or more; "
+                         f"{torch.cuda.get_device_name(device)} has {major}.{minor}: use --dtype float32")
+
+
 def select_backend(name: str, shape: ModelShape, device: str | torch.device = "cpu", block_size: int = 16) -> Backend:
     """The backend called `name` (one of BACKENDS) for this model shape on `device`, with KV blocks of
     `block_size` tokens (the engine's --block-size)."""
     if name not in BACKENDS:
         raise ValueError(f"backend: {name!r} is not one of {', '.join(BACKENDS)}")
     dev = resolve_device(device)
+    if dev.type == "cuda":
+        check_dtype_runs_on(dev, shape.dtype)
     if name == "auto":
         name = "triton" if dev.type == "cuda" else "cpu"
         if name == "cpu":

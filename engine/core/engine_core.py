@@ -29,6 +29,21 @@ from kernels.memory import keep_freed_memory
 log = logging.getLogger("loraplex.engine")
 
 
+class DeviceFault(RuntimeError):
+    """The device failed in a step (a CUDA error): its memory and every later launch are suspect, so no
+    request is retried here; the engine process exits and is started again (the frontends resend)."""
+
+
+def is_device_fault(error: BaseException) -> bool:
+    """A CUDA (or other accelerator) error, as opposed to a bug one request's input reaches."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(s in text for s in ("CUDA error", "CUBLAS_STATUS_", "cuDNN error",
+                                                                       "device-side assert"))
+
+
 def freeze_startup_objects() -> None:
     """For a process whose engine lives as long as the process (the server's engine process): the objects
     made so far (model, tokenizer, transformers' and torch's modules) never become garbage, so they are
@@ -190,6 +205,8 @@ class EngineCore:
             with self._loader_yields():
                 result = self.runner.execute(out, self.slots)
         except Exception as e:  # noqa: BLE001 - one request's bad step must not fail the others in it
+            if is_device_fault(e):
+                raise DeviceFault(f"the device failed during a step: {type(e).__name__}: {e}") from e
             return results + self._step_failed(out, e)
         finished = {id(r) for r in self.scheduler.update(out, result.sampled)}
         for row, token in result.sampled.items():

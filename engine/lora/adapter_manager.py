@@ -13,13 +13,15 @@ Invariants:
   evicted least recently used first, when KV blocks or another adapter need the pages;
 - on the host a load from the file packs straight into the pages (no staging copy): the host tier's copy
   of that adapter is taken afterwards, from its pages (`_host_copies`: only while no load is in flight, one
-  at a time), and its pages are neither evicted nor freed while that copy runs.
+  at a time); evicting or dropping the adapter meanwhile abandons that copy (`_abandon_copy`), never waits
+  for it.
 """
 from __future__ import annotations
 
 import enum
 import itertools
 import logging
+import threading
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import FIRST_COMPLETED, Future
@@ -61,7 +63,8 @@ class Adapter:
     queued: int = 0          # requests admitted to the engine and not finished
     unregistering: bool = False
     future: Future | None = None
-    copy: Future | None = None   # its pages being copied into the host tier (pages not freed meanwhile)
+    copy: Future | None = None   # its pages being copied into the host tier
+    copy_stop: threading.Event | None = None   # set: that copy is abandoned (its pages freed)
     wants_host_copy: bool = False   # loaded in place from its file: the host tier has no copy yet
     error: str | None = None
     load_started: float = 0.0   # time.monotonic() when its current load began
@@ -253,12 +256,10 @@ class AdapterManager:
         for a in list(self.by_id.values()):
             if a.copy is not None and a.copy.done():
                 if a.copy.exception() is None:
-                    if not a.unregistering:
-                        self.host.put(a.adapter_id, a.copy.result())
-                else:                               # gave way to a load (or failed): taken again later
-                    a.wants_host_copy = a.state == AdapterState.RESIDENT
-                a.copy = None
-                self._maybe_drop(a)
+                    self.host.put(a.adapter_id, a.copy.result())
+                else:                               # gave way to a load: taken again later
+                    a.wants_host_copy = True
+                a.copy = a.copy_stop = None
             busy = busy or a.copy is not None or a.state == AdapterState.LOADING
         if busy or self.host.max_adapters <= 0:
             return
@@ -267,7 +268,8 @@ class AdapterManager:
             if a.wants_host_copy and not a.unregistering and a.state == AdapterState.RESIDENT:
                 a.wants_host_copy = False
                 if adapter_id not in self.host:
-                    a.copy = self.loader.copy_out(a.pages)
+                    a.copy_stop = threading.Event()
+                    a.copy = self.loader.copy_out(a.pages, a.copy_stop)
                 return
 
     def loading(self) -> bool:
@@ -295,7 +297,7 @@ class AdapterManager:
         return sum(len(a.pages) for a in idle if self.evictable(a) and (evict_queued or not a.queued))
 
     def evictable(self, a: Adapter) -> bool:
-        return a.state == AdapterState.RESIDENT and a.active == 0 and not a.pinned and a.copy is None
+        return a.state == AdapterState.RESIDENT and a.active == 0 and not a.pinned
 
     def evict_idle(self, num_pages: int, evict_queued: bool = True, keep: int = 0) -> int:
         """Evict idle resident adapters (never `keep`) until `num_pages` pages are freed: those no queued
@@ -316,10 +318,17 @@ class AdapterManager:
                     self._evict(a)
         return freed
 
+    def _abandon_copy(self, a: Adapter) -> None:
+        """Its pages are about to be freed: a host copy of them in flight stops and is discarded."""
+        if a.copy is not None:
+            a.copy_stop.set()
+            a.copy = a.copy_stop = None
+        a.wants_host_copy = False
+
     def _evict(self, a: Adapter) -> None:
+        self._abandon_copy(a)
         self.pool.free(a.pages)
         a.pages = []
-        a.wants_host_copy = False
         a.state = AdapterState.DISK
         self.lru.pop(a.adapter_id, None)
         self.stats.evictions += 1
@@ -328,8 +337,9 @@ class AdapterManager:
 
     def _maybe_drop(self, a: Adapter) -> None:
         """Free every byte of an unregistered adapter once nothing uses it."""
-        if not a.unregistering or a.active or a.queued or a.state == AdapterState.LOADING or a.copy is not None:
+        if not a.unregistering or a.active or a.queued or a.state == AdapterState.LOADING:
             return
+        self._abandon_copy(a)
         if a.state == AdapterState.RESIDENT:
             self.pool.free(a.pages)
             a.pages = []

@@ -180,19 +180,20 @@ class AdapterLoader:
             write_pages(self.storage, pages, packed, pace=self._pace)
         return packed
 
-    def copy_out(self, pages: list[int]) -> Future:
+    def copy_out(self, pages: list[int], stop: threading.Event) -> Future:
         """Start copying these pages of the pool (host memory) into a new host buffer: -> a future of it,
-        [len(pages), page_elems], or of CopyYielded when a load was submitted meanwhile (loads go first).
-        The caller keeps the pages from being freed until it completes."""
-        return self.pool.submit(self._copy_job, list(pages))
+        [len(pages), page_elems], or of CopyYielded when a load was submitted meanwhile (loads go first) or
+        `stop` was set. NOTE: the pages may be freed and reused while it runs (the caller sets `stop` and
+        discards the copy): it only reads them."""
+        return self.pool.submit(self._copy_job, list(pages), stop)
 
-    def _copy_job(self, pages: list[int]) -> torch.Tensor:
+    def _copy_job(self, pages: list[int], stop: threading.Event) -> torch.Tensor:
         self.hold.wait()
         out = host_buffer(len(pages) * self.page_elems, self.dtype, False).view(len(pages), self.page_elems)
         for row, page in zip(out, pages):
             self._pace()
-            if self._loads_waiting:
-                raise CopyYielded("a load is waiting for the loader")
+            if self._loads_waiting or stop.is_set():
+                raise CopyYielded("a load is waiting for the loader" if not stop.is_set() else "abandoned")
             row.copy_(self.storage[page])
         return out
 

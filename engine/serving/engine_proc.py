@@ -27,7 +27,7 @@ import zmq.asyncio
 
 from engine import envs, metrics
 from engine.config import EngineConfig
-from engine.core.engine_core import EngineCore, freeze_startup_objects
+from engine.core.engine_core import DeviceFault, EngineCore, freeze_startup_objects
 from engine.output_processor import OutputProcessor
 from engine.serving.adapter_commands import AdapterCommands
 from engine.serving.adapter_journal import AdapterJournal
@@ -138,6 +138,8 @@ class AsyncEngine:
                 continue
             try:
                 deltas = await self._run(self.processor.step, self.core)
+            except DeviceFault:
+                raise                           # the process exits; the launcher starts a new engine
             except Exception as e:  # noqa: BLE001 - one bad step must not take the engine down
                 log.exception("engine step failed; failing the running requests")
                 await self.fail_running(f"internal error in the engine step: {e}")
@@ -305,8 +307,15 @@ def main(argv: list[str] | None = None) -> int:
             await engine.serve()
         except asyncio.CancelledError:
             pass
-    uvloop.run(run())
+    try:
+        uvloop.run(run())
+    except DeviceFault as e:
+        log.critical("%s: exiting so that a new engine process takes over", e)
+        return EXIT_DEVICE_FAULT
     return 0
+
+
+EXIT_DEVICE_FAULT = 3
 
 
 if __name__ == "__main__":

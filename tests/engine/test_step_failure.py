@@ -95,3 +95,29 @@ def test_a_request_whose_text_cannot_be_made_fails_alone(llm, monkeypatch):
         assert outs[i].error is None and outs[i].finish_reason == "length"
         assert (outs[i].token_ids, outs[i].text) == (clean[i].token_ids, clean[i].text), PROMPTS[i]
     assert_pool_idle(llm)
+
+
+def test_a_device_error_ends_the_engine_instead_of_failing_requests(llm):
+    """A CUDA error leaves the device's state unknown: the step raises DeviceFault (the engine process exits
+    with EXIT_DEVICE_FAULT and is started again; the frontends resend), no request is retried or failed here."""
+    from engine.core.engine_core import DeviceFault, is_device_fault
+    from ipc.requests import GenerateRequest
+
+    def broken(out, lora=None):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    core = llm.engine
+    failed_before = core.num_failed_steps
+    core.add_request(GenerateRequest("dev-fault", llm.tokenizer(PROMPTS[0])["input_ids"], GREEDY))
+    core.runner.execute = broken
+    try:
+        with pytest.raises(DeviceFault, match="illegal memory access"):
+            core.step()
+    finally:
+        del core.runner.execute
+    assert core.num_failed_steps == failed_before and not any(r.suspect for r in core.scheduler.running)
+    core.abort("dev-fault")
+    assert not is_device_fault(RuntimeError("index 66506715 is out of bounds"))
+    assert not is_device_fault(ValueError("CUDA error"))             # a message alone, not a device error
+    accelerator_error = getattr(__import__("torch"), "AcceleratorError", None)
+    if accelerator_error is not None:
+        assert is_device_fault(accelerator_error("anything"))

@@ -7,6 +7,7 @@ import os
 import torch
 
 from kernels.cpu.backend import CpuBackend
+from kernels.reference.backend import TorchBackend
 from kernels.selector import select_backend
 from kernels.triton.backend import TritonBackend
 from tests.engine.lora.synthetic import TINY
@@ -16,6 +17,9 @@ SHAPE = dataclasses.replace(TINY, hidden_size=128, intermediate_size=192, num_he
 TOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 # `make gpu-check` runs these tests on CUDA (LORAPLEX_TEST_DEVICE=cuda, without the Triton interpreter)
 DEVICE = torch.device(os.environ.get("LORAPLEX_TEST_DEVICE", "cpu"))
+
+
+BACKEND_CLASSES = {"torch": TorchBackend, "cpu": CpuBackend, "triton": TritonBackend}
 
 
 def available_backends() -> list[str]:

@@ -265,7 +265,7 @@ def test_a_load_packs_straight_into_its_pages_and_the_host_copy_follows(tmp_path
         for off, n in ((blk.a_offset, blk.rank * len(GROUP_MODULES[g]) * s.n_in),
                        (blk.b_offsets[i], m.packer.b_elems(blk.rank, s.n_out))):
             assert torch.equal(got[off:off + n], staged[off:off + n]), (layer, mod)
-    assert a.copy is not None and not m.evictable(a)      # its pages are being copied: not evictable
+    assert a.copy is not None
     a.copy.result()
     m.poll()
     assert a.copy is None and torch.equal(m.host[a.adapter_id], want)
@@ -310,3 +310,33 @@ def _rank3_down(tmp_path):
     g = torch.Generator().manual_seed(5)
     return {f"base_model.model.model.layers.{i}.mlp.down_proj.lora_{x}.weight": t for i in range(2)
             for x, t in (("A", torch.randn(3, 64, generator=g)), ("B", torch.randn(32, 3, generator=g)))}
+
+
+@needs_c_packer
+def test_evicting_or_dropping_an_adapter_abandons_its_host_copy(tmp_path):
+    """A host copy in flight never holds pages: eviction and unregistering go ahead at once, the copy stops
+    and is discarded."""
+    m, pool = cpu_manager(32)
+    a = m.register("a", write_adapter(tmp_path / "a", r=3))
+    b = m.register("b", write_adapter(tmp_path / "b", r=3, seed=1))
+    for x in (a, b):
+        m.loader.pause()                                   # the copy waits: still in flight below
+        m.start_load(x)
+        m.loader.resume()
+        m.wait_loads()
+        m.loader.pause()
+        m.poll()
+        copy = x.copy
+        assert copy is not None and m.evictable(x)
+        if x is a:
+            assert m.evict_idle(100) >= 1 and a.state == AdapterState.DISK
+        else:
+            m.unregister("b")
+            assert "b" not in m.by_name and b.adapter_id not in m.by_id
+        assert x.copy is None
+        m.loader.resume()
+        with pytest.raises(Exception, match="abandoned"):
+            copy.result()
+        m.poll()
+        assert x.adapter_id not in m.host
+    assert pool.num_free == 32
