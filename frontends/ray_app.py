@@ -43,9 +43,26 @@ POLL_S = 0.5          # how often the ingress reads the replicas' loads
 POLL_TIMEOUT_S = 2.0  # a replica whose /metrics takes longer is left out of that poll
 
 
-def _error(status: int, message: str) -> dict:
+UNAVAILABLE = "replica_unavailable"   # the error code of a replica that could not be reached (and was forgotten)
+
+
+def _error(status: int, message: str, code: str | None = None) -> dict:
     kind = {503: "service_unavailable", 400: "invalid_request_error"}.get(status, "server_error")
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def _message(data: bytes) -> str:
+    try:
+        return json.loads(data)["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return data.decode(errors="replace")[:200]
+
+
+def _unreachable(data: bytes) -> bool:
+    try:
+        return json.loads(data)["error"]["code"] == UNAVAILABLE
+    except (ValueError, KeyError, TypeError):
+        return False
 
 
 @serve.deployment(max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
@@ -141,7 +158,7 @@ class Ingress:
 
     # -- every replica --------------------------------------------------------------------------------------
     async def _each(self, method: str, path: str, headers: dict, body: bytes | None, forget: bool = True,
-                    timeout: float | None = None) -> list[tuple[str, int, bytes]]:
+                    timeout: float | None = None, only: set[str] | None = None) -> list[tuple[str, int, bytes]]:
         """Ask every replica in the Directory; one that cannot be reached answers 503 and, with `forget`,
         is dropped from the Directory (Ray Serve replaces a dead replica; the new one registers itself).
         The load poller does not forget: a poll that fails once must not drop a live replica. A replica
@@ -149,6 +166,8 @@ class Ingress:
         if self.session is None:
             self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
         replicas = await self.directory.all.remote()
+        if only is not None:
+            replicas = {n: info for n, info in replicas.items() if n in only}
 
         limit = {} if timeout is None else {"timeout": aiohttp.ClientTimeout(total=timeout)}
 
@@ -161,18 +180,44 @@ class Ingress:
             except aiohttp.ClientError:
                 if forget:
                     await self.directory.forget.remote(name)  # gone (replaced by Ray Serve): forget it
-                return name, 503, json.dumps(_error(503, f"replica {name} is unavailable")).encode()
+                return name, 503, json.dumps(_error(503, f"replica {name} is unavailable", UNAVAILABLE)).encode()
         return list(await asyncio.gather(*(one(n, info["url"]) for n, info in replicas.items())))
 
     async def everywhere(self, method: str, path: str, headers: dict, body: bytes) -> Response:
-        """Load / unload on every replica: ok if every replica says ok, else the first error."""
+        """Load / unload on every replica, all or nothing. A load refused by a replica is undone on those that
+        took it, and the answer names the replica and its reason; an unload is done where it can be and a
+        replica that refuses is named. Done, it is noted in the Directory, whose runtime set a replica
+        that Ray Serve starts later (a replacement) loads before it serves. A replica that cannot be
+        reached is forgotten (its replacement gets the set), not counted as refusing."""
         answers = await self._each(method, path, headers, body)
         if not answers:
             return JSONResponse(_error(503, "no replica is up"), status_code=503)
-        bad = [a for a in answers if a[1] != 200]
-        name, status, data = bad[0] if bad else answers[0]
-        return Response(data, status_code=status, media_type="application/json",
-                        headers={HEADER: ",".join(a[0] for a in answers)})
+        load = path == BROADCAST[0]
+        took = [a for a in answers if a[1] == 200]
+        refused = [a for a in answers if a[1] != 200 and not _unreachable(a[2])
+                   and not (not load and a[1] == 404)]               # unloading what a replica lacks: done
+        reached = [a for a in answers if not _unreachable(a[2])]
+        if not reached:
+            return Response(answers[0][2], status_code=503, media_type="application/json")
+        req = json.loads(body)
+        if refused:
+            name, status, data = refused[0]
+            msg = f"replica {name} refused it: {_message(data)}"
+            if load and took:
+                undo = json.dumps({"lora_name": req["lora_name"]}).encode()
+                await self._each("POST", BROADCAST[1], headers, undo, only={a[0] for a in took})
+                msg += f"; undone on {', '.join(a[0] for a in took)}"
+            elif not load and took:
+                msg += f"; unloaded on {', '.join(a[0] for a in took)} (unload again to retry)"
+            log.warning("%s %s: %s", path, req.get("lora_name"), msg)
+            return JSONResponse(_error(status, msg), status_code=status, headers={HEADER: ",".join(a[0] for a in took)})
+        if load:
+            await self.directory.note_load.remote(req["lora_name"], req)
+        else:
+            await self.directory.note_unload.remote(req["lora_name"])
+        name, status, data = took[0] if took else reached[0]
+        return Response(data, status_code=200, media_type="application/json",
+                        headers={HEADER: ",".join(a[0] for a in reached)})
 
     async def models(self, headers: dict) -> Response:
         answers = await self._each("GET", "/v1/models", headers, None)
@@ -180,13 +225,12 @@ class Ingress:
         if not ok:
             name, status, data = answers[0] if answers else ("", 503, json.dumps(_error(503, "no replica")).encode())
             return Response(data, status_code=status, media_type="application/json")
-        seen, data = set(), []
-        for _, _, raw in ok:
+        seen: dict[str, dict] = {}       # id -> its entry, with the replicas that list it
+        for name, _, raw in ok:
             for m in json.loads(raw)["data"]:
-                if m["id"] not in seen:
-                    seen.add(m["id"])
-                    data.append(m)
-        return JSONResponse({"object": "list", "data": data}, headers={HEADER: ",".join(a[0] for a in ok)})
+                seen.setdefault(m["id"], {**m, "replicas": []})["replicas"].append(name)
+        return JSONResponse({"object": "list", "data": list(seen.values())},
+                            headers={HEADER: ",".join(a[0] for a in ok)})
 
     async def health(self) -> Response:
         answers = await self._each("GET", "/health", {}, None)

@@ -22,6 +22,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from frontends import ready
+from frontends.engine_client import AsyncEngineClient
 from frontends.lifetime import die_with_parent
 
 
@@ -31,9 +32,19 @@ class Directory:
 
     def __init__(self):
         self.replicas: dict[str, dict] = {}
+        self.runtime: dict[str, dict] = {}      # adapters loaded at run time: name -> its load request
 
     def register(self, name: str, info: dict) -> None:
         self.replicas[name] = info
+
+    def note_load(self, name: str, request: dict) -> None:
+        self.runtime[name] = request
+
+    def note_unload(self, name: str) -> None:
+        self.runtime.pop(name, None)
+
+    def runtime_adapters(self) -> dict[str, dict]:
+        return dict(self.runtime)
 
     def forget(self, name: str) -> None:
         self.replicas.pop(name, None)
@@ -56,9 +67,27 @@ class _Replica:
         self.url, self.model = info["url"], info["model"]
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10))
         self.directory = directory
+        await self._restore(info["engine_address"], await directory.runtime_adapters.remote())
         pids = [self.proc.pid, info["engine_pid"], *info["frontend_pids"]]    # what must be gone at the end
         await directory.register.remote(self.name, {"url": self.url, "pid": os.getpid(), "model": self.model,
                                                     "pids": pids})
+
+    async def _restore(self, engine_address: str, adapters: dict[str, dict]) -> None:
+        """Before this replica serves: the adapters loaded at run time through the application (a replica
+        started later, e.g. replacing a dead one, has them as the others do), straight to its engine (the
+        same path rules as the load route). One that fails is logged, and the replica serves the rest."""
+        if not adapters:
+            return
+        client = await AsyncEngineClient(engine_address, f"replica-{self.name}").connect(timeout=60)
+        try:
+            for name, req in adapters.items():
+                try:
+                    await client.load_adapter(name, req.get("lora_path") or "", bool(req.get("pinned")))
+                    print(f"loraplex replica {self.name}: restored runtime adapter {name!r}", flush=True)
+                except Exception as e:  # noqa: BLE001 - one adapter must not keep the replica down
+                    print(f"loraplex replica {self.name}: runtime adapter {name!r} not restored: {e}", flush=True)
+        finally:
+            await client.close()
 
     def _wait_ready(self) -> dict:
         """The server's ready line (frontends/ready.py); its other output goes to the replica's log."""

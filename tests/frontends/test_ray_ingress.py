@@ -149,9 +149,11 @@ class FakeDirectory:
     """The Directory deployment's handle: replica name -> its URL; records what it is told to forget."""
 
     def __init__(self, urls: dict[str, str]):
-        self.urls, self.forgotten = urls, []
+        self.urls, self.forgotten, self.runtime = urls, [], {}
         self.all = self._Method(lambda: {n: {"url": u} for n, u in self.urls.items()})
         self.forget = self._Method(self.forgotten.append)
+        self.note_load = self._Method(self.runtime.__setitem__)
+        self.note_unload = self._Method(lambda name: self.runtime.pop(name, None))
 
     class _Method:
         def __init__(self, fn):
@@ -228,3 +230,64 @@ def test_the_ingress_metrics_are_behind_the_replicas_keys():
     refused, allowed = asyncio.run(run())
     assert refused.status_code == 401 and b"admin key" in refused.body
     assert allowed.status_code == 200 and b'loraplex_requests_running{replica="r0"} 2.0' in allowed.body
+
+
+async def adapter_replica(refuse: set[str]):
+    """A replica stand-in with load / unload routes: it refuses to load the names in `refuse`. -> (runner,
+    URL, the names it holds)."""
+    from aiohttp import web
+    held: set[str] = set()
+
+    async def load(request):
+        name = (await request.json())["lora_name"]
+        if name in refuse:
+            return web.json_response({"error": {"message": f"adapter: {name} has NaN weights"}}, status=400)
+        held.add(name)
+        return web.json_response({"status": "ok"})
+
+    async def unload(request):
+        name = (await request.json())["lora_name"]
+        if name not in held:
+            return web.json_response({"error": {"message": f"no adapter {name}"}}, status=404)
+        held.discard(name)
+        return web.json_response({"status": "ok"})
+    app = web.Application()
+    app.router.add_post("/v1/load_lora_adapter", load)
+    app.router.add_post("/v1/unload_lora_adapter", unload)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", held
+
+
+def test_a_load_is_all_or_nothing_and_noted_for_replicas_started_later():
+    """Refused by one replica, a load is undone on the others and the answer names the replica and why; taken
+    by all, it is noted in the Directory (a replacement replica loads it before it serves); an unload
+    forgets it, a replica that never had it counting as done."""
+    async def run():
+        (ra, ua, held_a), (rb, ub, held_b) = await adapter_replica(set()), await adapter_replica({"bad"})
+        directory = FakeDirectory({"r0": ua, "r1": ub})
+        ingress = Ingress.func_or_class(RecordingReplicas(), directory, "adapter", 0)
+
+        async def post(path, name):
+            body = json.dumps({"lora_name": name, "lora_path": f"/a/{name}"}).encode()
+            return await ingress.everywhere("POST", path, {}, body)
+        bad = await post("/v1/load_lora_adapter", "bad")
+        after_bad = (set(held_a), set(held_b), dict(directory.runtime))
+        good = await post("/v1/load_lora_adapter", "good")
+        after_good = (set(held_a), set(held_b), dict(directory.runtime))
+        held_b.discard("good")                               # as if r1 had been replaced before the unload
+        gone = await post("/v1/unload_lora_adapter", "good")
+        after_unload = (set(held_a), set(held_b), dict(directory.runtime))
+        await ingress.session.close()
+        for r in (ra, rb):
+            await r.cleanup()
+        return bad, after_bad, good, after_good, gone, after_unload
+    bad, after_bad, good, after_good, gone, after_unload = asyncio.run(run())
+    assert bad.status_code == 400
+    assert b"replica r1 refused it: adapter: bad has NaN weights; undone on r0" in bad.body
+    assert after_bad == (set(), set(), {})                  # nowhere, and not noted
+    assert good.status_code == 200 and after_good[:2] == ({"good"}, {"good"})
+    assert after_good[2] == {"good": {"lora_name": "good", "lora_path": "/a/good"}}
+    assert gone.status_code == 200 and after_unload == (set(), set(), {})

@@ -146,6 +146,10 @@ def test_a_replica_killed_mid_run_loses_no_request_silently(ray_server, client):
             return "completed"
         assert b'"error"' in lines[-1], lines[-3:]
         return "error event"
+    r = requests.post(ray_server.url + "/v1/load_lora_adapter", timeout=120,
+                      json={"lora_name": "late-r5", "lora_path": str(ray_server.roots / "late-r5")})
+    assert r.status_code == 200, r.text
+    before = set(r.headers["x-loraplex-replica"].split(","))
     pids = subprocess.run(["pgrep", "-f", "ServeReplica:loraplex:EngineReplica"], capture_output=True,
                           text=True).stdout.split()
     assert len(pids) == 2
@@ -160,3 +164,7 @@ def test_a_replica_killed_mid_run_loses_no_request_silently(ray_server, client):
     assert "completed" in outcomes
     assert replica_of(client, "tiny-r2")
     assert wait_until(lambda: requests.get(ray_server.url + "/health", timeout=30).json().get("up") == 2, timeout=120)
+    # the replacement has the adapter loaded at run time before the kill, as the survivor does
+    late = next(m for m in requests.get(ray_server.url + "/v1/models", timeout=30).json()["data"]
+                if m["id"] == "late-r5")
+    assert len(late["replicas"]) == 2 and set(late["replicas"]) != before, late
