@@ -23,7 +23,7 @@ def cpu_kernels_enabled() -> bool:
 
 
 def c_decoder() -> bool:
-    """Run steps through kernels/cpu/decoder.c (all layers in one C call, where it runs) unless
+    """Run steps through kernels/cpu/csrc/decoder.c (all layers in one C call, where it runs) unless
     $LORAPLEX_C_DECODER is 0 (then op by op, with the same bits)."""
     return os.environ.get("LORAPLEX_C_DECODER", "1") != "0"
 

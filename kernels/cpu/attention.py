@@ -1,27 +1,23 @@
 """ctypes bindings of the C paged attention kernels: tiles of query rows over K stored keys-last
-(paged_tiled_attention.c), and every row alone over the paired layout (paired_attention.c, AVX512-BF16).
+(attention_tiled.c), and every row alone over the paired layout (attention_avx512bf16.c, AVX512-BF16).
 
 `tiled_supports` / `paired_supported` are False when a library cannot be built here (no compiler) or is
 disabled with LORAPLEX_CPU_KERNELS=0; callers then use the torch path.
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from kernels.cpu.build import has_avx512_bf16, load_functions
 
-_P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-MAX_HEADS, MAX_HEAD_DIM = 128, 256   # as compiled into paged_tiled_attention.c
+MAX_HEADS, MAX_HEAD_DIM = 128, 256   # as compiled into attention_tiled.c
 
 
-# --- tiles of query rows (paged_tiled_attention.c): K keys-last, every token a row ---------------------
+# --- tiles of query rows (attention_tiled.c): K keys-last, every token a row ---------------------
 
-_TILED_ARGS = [_P, _P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _F, _I]
 _TILED: dict | None | bool = False
 TILE_ROWS = 8     # rows of one request a tile takes: a K/V block is widened once for them (more, fewer tasks)
-MAX_BLOCK = 256   # as compiled into paged_tiled_attention.c
+MAX_BLOCK = 256   # as compiled into attention_tiled.c
 SPLIT_KEYS = 512  # a row's keys are taken this many at a time, by separate tasks, then merged: one long
                   # context runs on every core; the split points depend on the row's length alone
 
@@ -29,8 +25,8 @@ SPLIT_KEYS = 512  # a row's keys are taken this many at a time, by separate task
 def _tiled_fns():
     global _TILED
     if _TILED is False:
-        _TILED = load_functions("paged_tiled_attention", {torch.bfloat16: "paged_tiled_attention_bf16",
-                                                          torch.float32: "paged_tiled_attention_f32"}, _TILED_ARGS)
+        _TILED = load_functions("attention_tiled", {torch.bfloat16: "paged_tiled_attention_bf16",
+                                                    torch.float32: "paged_tiled_attention_f32"})
     return _TILED
 
 
@@ -81,11 +77,9 @@ def tiled_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-# --- the paired block layout (paired_attention.c): bf16 K/V stored as vdpbf16ps consumes them ----------
+# --- the paired block layout (attention_avx512bf16.c): bf16 K/V stored as vdpbf16ps consumes them ----------
 
 # q, q stride, out, k, v, page stride, tables, max blocks, lens, rows, heads, kv heads, dim, block, scale
-_PAIRED_ARGS = [_P, _I64, _P, _P, _P, _I64, _P, _I64, _P, _I, _I, _I, _I, _I, _F]
-_WRITE_ARGS = [_P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _I64, _I, _I, _I]
 _PAIRED: dict | None | bool = False
 
 
@@ -94,8 +88,8 @@ def _paired_fns():
     if _PAIRED is False:
         _PAIRED = None
         if has_avx512_bf16():
-            attn = load_functions("paired_attention", {0: "paired_attention_bf16"}, _PAIRED_ARGS)
-            write = load_functions("paired_attention", {0: "write_kv_paired_bf16"}, _WRITE_ARGS)
+            attn = load_functions("attention_avx512bf16", {0: "paired_attention_bf16"})
+            write = load_functions("attention_avx512bf16", {0: "write_kv_paired_bf16"})
             if attn is not None and write is not None:
                 _PAIRED = {"attention": attn[0], "write": write[0]}
     return _PAIRED

@@ -5,7 +5,7 @@ The KV mode (`KvMode`: paired, keys-last or rows) is chosen once, when the backe
 block size, and fixes the KV views, the attention kernel and the metadata it takes.
 bf16 on AVX512-BF16: packed GEMM with decode tokens' LoRA inside it, KV in the paired layout that
 vdpbf16ps reads, and the one-call decoder (decoder.c). bf16 on AVX2 + FMA: the fp32-compute GEMM and
-LoRA kernels, K stored keys-last and attention over tiles of rows (paged_tiled_attention.c). float32:
+LoRA kernels, K stored keys-last and attention over tiles of rows (attention_tiled.c). float32:
 that attention, elementwise ops and LoRA decode kernel over torch GEMMs.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from kernels.reference.backend import TorchBackend
 class KvMode(enum.Enum):
     """How the CPU backend keeps and reads the KV cache; one per backend, chosen when it is built."""
     PAIRED = "paired"        # bf16 K/V in the pairs vdpbf16ps reads; every token a row; the one-call decoder
-    KEYS_LAST = "keys_last"  # K stored keys-last; a request's rows in tiles of TILE_ROWS (paged_tiled_attention.c)
+    KEYS_LAST = "keys_last"  # K stored keys-last; a request's rows in tiles of TILE_ROWS (attention_tiled.c)
     ROWS = "rows"            # the reference layout and SDPA over gathered blocks (no C attention kernel fits)
 
 

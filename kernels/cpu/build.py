@@ -20,6 +20,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from kernels.cpu import c_api
+
 log = logging.getLogger("loraplex.kernels")
 
 @dataclass
@@ -42,6 +44,7 @@ def configure(cache_dir: str | None = None, enabled: bool | None = None) -> None
         SETTINGS.enabled = enabled
 
 
+SOURCES = Path(__file__).with_name("csrc")   # the C sources, and loraplex_kernels.h: the exported C API
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11"]
 # Linked without -ffast-math: linking with it adds crtfastmath.o, whose constructor turns on flush-to-zero
 # and denormals-are-zero for the whole process that loads the library (every user's float code with it).
@@ -71,8 +74,8 @@ def has_avx2_fma() -> bool:
 
 
 def build(name: str) -> ctypes.CDLL:
-    """Build (if needed) and load `<name>.c` from this directory. Raises RuntimeError when it cannot."""
-    src = Path(__file__).with_name(f"{name}.c")
+    """Build (if needed) and load `csrc/<name>.c`. Raises RuntimeError when it cannot."""
+    src = SOURCES / f"{name}.c"
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
@@ -101,9 +104,10 @@ def build(name: str) -> ctypes.CDLL:
     return ctypes.CDLL(str(out))
 
 
-def load_functions(name: str, symbols: dict, argtypes: list) -> dict | None:
-    """{key: C function} for `symbols` ({key: symbol name}) of library `name`, with ctypes signatures set;
-    None when the C kernels are disabled (SETTINGS.enabled) or cannot be built here."""
+def load_functions(name: str, symbols: dict) -> dict | None:
+    """{key: C function} for `symbols` ({key: symbol name}) of library `name` (csrc/<name>.c), with the
+    ctypes signatures of c_api.LIBRARIES set; None when the C kernels are disabled (SETTINGS.enabled) or
+    cannot be built here."""
     if not SETTINGS.enabled:
         return None
     try:
@@ -114,6 +118,6 @@ def load_functions(name: str, symbols: dict, argtypes: list) -> dict | None:
     fns = {}
     for key, sym in symbols.items():
         fn = getattr(lib, sym)
-        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+        fn.restype, fn.argtypes = c_api.LIBRARIES[name][sym]
         fns[key] = fn
     return fns

@@ -4,7 +4,7 @@ engine/model/llama.py, so the same bits, without its Python and per-op parallel 
 (about 10 calls a layer; on a 64-row decode step, ~3 ms of Python per step on the hosts measured).
 
 The model uses it for every step the C LoRA kernels cover: decode tokens' adapters inside the base GEMMs
-(gemm_lora.c), prefill tokens' by segment (lora_segments_bf16), in the op-by-op path's order. Other
+(gemm_lora_avx512bf16.c), prefill tokens' by segment (lora_segments_bf16), in the op-by-op path's order. Other
 steps (the torch LoRA path) add their deltas between the ops, in Python.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ class _Args(ctypes.Structure):
 @dataclass
 class DecoderLora:
     """A step's adapters as the C decoder applies them, in the op-by-op path's order: per projection group,
-    the rows with a slot inside the GEMM (gemm_lora.c: row_slot, row_rank [T] int64, -1 for none; or None),
+    the rows with a slot inside the GEMM (gemm_lora_avx512bf16.c: row_slot, row_rank [T] int64, -1 for none; or None),
     then the segments' deltas (lora_segments_bf16: prefill tokens grouped by adapter; or None).
     weights(layer, group) -> that group's tables for the step (lora.Weights, paired B), or None: no adapter
     of the step targets it."""
@@ -64,7 +64,7 @@ _FN: object = False   # False until first use
 def _fn():
     global _FN
     if _FN is False:
-        fns = load_functions("decoder", {0: "decoder_layers_bf16"}, [ctypes.c_void_p]) if has_avx512_bf16() else None
+        fns = load_functions("decoder", {0: "decoder_layers_bf16"}) if has_avx512_bf16() else None
         _FN = None if fns is None else fns[0]
     return _FN
 
@@ -89,7 +89,7 @@ class Decoder:
         if _fn() is None or cfg.dtype != torch.bfloat16 or kv_caches[0][0].dim() != 5:
             return None
         for w in layers:
-            for lin in (w.qkv, w.o, w.gate_up, w.down):   # packed for gemm.c (not the AVX2 layout)
+            for lin in (w.qkv, w.o, w.gate_up, w.down):   # packed for gemm_avx512bf16.c (not the AVX2 layout)
                 if lin.c is None or lin.c.fns is not c_gemm.variant("avx512bf16"):
                     return None
             if not (w.input_norm.is_contiguous() and w.post_norm.is_contiguous()):

@@ -5,16 +5,10 @@ Each equals the torch expression named in its docstring, rounding included. Requ
 """
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from kernels.cpu.build import load_functions
 
-_P, _I64, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_SIGS = {"rms_norm": [_P, _I64, _P, _P, _I64, _I64, _I, _F],
-         "add_rms_norm": [_P, _I64, _P, _I64, _P, _P, _I64, _I64, _I, _F], "silu_mul": [_P, _I64, _P, _I64, _I64, _I],
-         "rope": [_P, _I64, _I64, _I, _I, _P, _P]}
 _SUFFIX = {torch.bfloat16: "bf16", torch.float32: "f32"}
 _FNS: dict | None | bool = False   # False until first use
 
@@ -23,17 +17,16 @@ def _fns():
     global _FNS
     if _FNS is False:
         _FNS = {}
-        for op, args in _SIGS.items():
-            fns = load_functions("elementwise", {dt: f"{op}_{sfx}" for dt, sfx in _SUFFIX.items()}, args)
+        for op in ("rms_norm", "add_rms_norm", "silu_mul", "rope"):
+            fns = load_functions("elementwise", {dt: f"{op}_{sfx}" for dt, sfx in _SUFFIX.items()})
             if fns is None:
                 _FNS = None
                 break
             for dt, fn in fns.items():
                 _FNS[(op, dt)] = fn
         if _FNS is not None:
-            _FNS["argmax"] = load_functions("elementwise", {0: "argmax_bf16"}, [_P, _I64, _I64, _I64, _P])[0]
-            _FNS["write_kv"] = load_functions("elementwise", {0: "write_kv"}, [_P, _I64, _P, _I64, _P, _P, _I64, _P, _P,
-                                                                             _I64, _I64])[0]
+            _FNS["argmax"] = load_functions("elementwise", {0: "argmax_bf16"})[0]
+            _FNS["write_kv"] = load_functions("elementwise", {0: "write_kv"})[0]
     return _FNS
 
 

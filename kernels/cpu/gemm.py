@@ -1,8 +1,8 @@
 """ctypes binding of the bf16 GEMMs: y = x @ W^T with W packed once.
 
 Two variants, picked once per process by what the CPU has:
-- AVX512-BF16 (gemm.c): vdpbf16ps over 48-column blocks; with a GemmLora, the same GEMM also computes some
-  rows' multi-LoRA (gemm_lora.c). Measured against oneDNN's pre-packed bf16 GEMM: 15-20% faster for the
+- AVX512-BF16 (gemm_avx512bf16.c): vdpbf16ps over 48-column blocks; with a GemmLora, the same GEMM also computes some
+  rows' multi-LoRA (gemm_lora_avx512bf16.c). Measured against oneDNN's pre-packed bf16 GEMM: 15-20% faster for the
   M <= 512 row counts of decode steps, ~4% slower at 2048 rows (prefill).
 - AVX2 + FMA (gemm_avx2.c; AMD Zen, older Intel): bf16 stored in 16-column blocks, fp32 computed. There,
   torch's bf16 matmul has no native kernel and runs 6-9x slower than its fp32 one.
@@ -10,7 +10,6 @@ Both compute each output as one fp32 sum over k in order, rounded once, so a row
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 from dataclasses import dataclass
 
@@ -18,13 +17,11 @@ import torch
 
 from kernels.cpu.build import has_avx2_fma, has_avx512_bf16, load_functions
 
-NB = 48            # columns per packed block, as compiled into gemm.c
+NB = 48            # columns per packed block, as compiled into gemm_avx512bf16.c
 NB_AVX2 = 16       # as compiled into gemm_avx2.c
-_P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
-_ARGS = [_P, _I64, _P, _P, _I64, _I, _I, _I]
-_LORA_ARGS = [*_ARGS, _P, _P, _P, _I, _I, _P, _P, _P, _I64]   # slot, rank, a, R, G, b, out, vp, vp_stride
+
 
 
 @functools.cache
@@ -32,11 +29,11 @@ def variant(name: str) -> dict | None:
     """{"plain": fn, "nb": block columns[, "lora": fn]} of GEMM variant `name` ("avx512bf16" or "avx2"),
     or None where this CPU lacks it or it cannot be built."""
     if name == "avx512bf16" and has_avx512_bf16():
-        fns = load_functions("gemm", {"plain": "gemm_bf16"}, _ARGS)
-        lora = load_functions("gemm_lora", {"lora": "gemm_lora_bf16"}, _LORA_ARGS) if fns is not None else None
+        fns = load_functions("gemm_avx512bf16", {"plain": "gemm_bf16"})
+        lora = load_functions("gemm_lora_avx512bf16", {"lora": "gemm_lora_bf16"}) if fns is not None else None
         return None if fns is None else {**fns, **(lora or {}), "nb": NB}
     if name == "avx2" and has_avx2_fma():
-        fns = load_functions("gemm_avx2", {"plain": "gemm_bf16_avx2"}, _ARGS)
+        fns = load_functions("gemm_avx2", {"plain": "gemm_bf16_avx2"})
         return None if fns is None else {**fns, "nb": NB_AVX2}
     return None
 
@@ -58,11 +55,11 @@ def _fn():
 
 @dataclass
 class GemmLora:
-    """The multi-LoRA of some rows, for Gemm.__call__ to compute inside the GEMM (gemm_lora.c): row t with
+    """The multi-LoRA of some rows, for Gemm.__call__ to compute inside the GEMM (gemm_lora_avx512bf16.c): row t with
     slot[t] >= 0 gets y[t, cols of output g] += Bt_g(s)[:r]^T @ (A(s)[:r, g] @ x[t]), s = slot[t], r = rank[t].
     slot, rank: [M] int64; a, b: addresses of the slots' pointer tables (lora.Weights: a[s] -> A [R_s, G, K],
     b[s * G + g] -> paired Bt [ceil(R_s / 2), out_g, 2]); max_rank: the largest R_s; outs: ctypes array of the
-    G output widths (multiples of 16, summing to N; see kernels/cpu/lora_bf16.h)."""
+    G output widths (multiples of 16, summing to N; see kernels/cpu/csrc/lora_avx512bf16.h)."""
     slot: torch.Tensor
     rank: torch.Tensor
     a: int

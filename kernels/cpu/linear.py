@@ -1,7 +1,7 @@
 """y = x @ W^T for the base model's projections, with the weight packed once for the fastest kernel here.
 
-bf16 on a CPU with AVX512-BF16: the C GEMM of kernels/cpu/gemm.c (packed weights); on one with AVX2 and
-FMA only (AMD Zen, older Intel), kernels/cpu/gemm_avx2.c (bf16 weights, fp32 compute). Otherwise, where
+bf16 on a CPU with AVX512-BF16: the C GEMM of kernels/cpu/csrc/gemm_avx512bf16.c (packed weights); on one with AVX2 and
+FMA only (AMD Zen, older Intel), kernels/cpu/csrc/gemm_avx2.c (bf16 weights, fp32 compute). Otherwise, where
 oneDNN has native bf16, its pre-packed ("reordered") weights, which skip the per-call re-layout of W that
 `F.linear` pays (1.2-1.8x on the M=64 decode GEMMs). Other dtypes and CPUs use `F.linear`.
 """
@@ -23,7 +23,7 @@ def _can_pack(dtype: torch.dtype) -> bool:
 class CpuLinear:
     """kernels.backend.LinearOp. weight: [out, in]. Call with x: [T, in] -> [T, out] in the weight's dtype.
 
-    kernel: "c" (gemm.c or gemm_avx2.c), "onednn", "torch", or None for the best one available."""
+    kernel: "c" (gemm_avx512bf16.c or gemm_avx2.c), "onednn", "torch", or None for the best one available."""
 
     def __init__(self, weight: torch.Tensor, kernel: str | None = None):
         self.weight = weight

@@ -1,5 +1,5 @@
-"""ctypes bindings of the C multi-LoRA kernels (lora_decode.c) and of what the bf16 GEMM needs to compute
-decode tokens' LoRA itself (gemm_lora.c).
+"""ctypes bindings of the C multi-LoRA kernels (lora.c) and of what the bf16 GEMM needs to compute
+decode tokens' LoRA itself (gemm_lora_avx512bf16.c).
 
 A `LoraDecode` (decode tokens), `LoraSegments` (prefill tokens grouped by adapter) or `LoraRows` (decode
 tokens, for the GEMM) is prepared once per step and then used for every layer and fused group; weight
@@ -14,8 +14,6 @@ import torch
 from kernels.cpu import gemm as c_gemm
 from kernels.cpu.build import has_avx2_fma, has_avx512_bf16, load_functions
 
-_P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-_ARGS = [_P, _I64, _P, _I64, _P, _P, _P, _I, _P, _I, _I, _I, _P, _P]
 _FNS: dict | None | bool = False   # False until first use
 _SEG: dict | None | bool = False
 
@@ -23,20 +21,19 @@ _SEG: dict | None | bool = False
 def _fns():
     global _FNS
     if _FNS is False:
-        _FNS = load_functions("lora_decode", {torch.bfloat16: "lora_decode_bf16", torch.float32: "lora_decode_f32"},
-                              _ARGS)
+        _FNS = load_functions("lora", {torch.bfloat16: "lora_decode_bf16", torch.float32: "lora_decode_f32"})
     return _FNS
 
 
 def _segment_fns():
     global _SEG
     if _SEG is False:
-        _SEG = (load_functions("lora_decode", {torch.bfloat16: "lora_segments_bf16"}, [*_ARGS[:4], _P, *_ARGS[4:]])
+        _SEG = (load_functions("lora", {torch.bfloat16: "lora_segments_bf16"})
                 if has_avx512_bf16() or has_avx2_fma() else None)
     return _SEG
 
 
-MAX_RANK, MAX_IN = 256, 65536   # as compiled into lora_decode.c (at most 3 fused outputs)
+MAX_RANK, MAX_IN = 256, 65536   # as compiled into lora.c (at most 3 fused outputs)
 
 
 def fits(max_rank: int, max_in: int) -> bool:
@@ -49,7 +46,7 @@ def supports(dtype: torch.dtype) -> bool:
 
 
 def pairs_b(dtype: torch.dtype) -> bool:
-    """Whether this dtype's C kernels read B in the paired layout of lora_bf16.h ([S, ceil(R / 2), out, 2]:
+    """Whether this dtype's C kernels read B in the paired layout of lora_avx512bf16.h ([S, ceil(R / 2), out, 2]:
     two ranks of 16 columns per 64-byte line, vdpbf16ps's operand): bf16 on a CPU with AVX512-BF16."""
     return dtype == torch.bfloat16 and has_avx512_bf16() and supports(dtype)
 
@@ -122,7 +119,7 @@ class Weights:
 
 def _launch(fn, name: str, dtype: torch.dtype, x: torch.Tensor, y: torch.Tensor, w: Weights,
             index: list[torch.Tensor], n: int) -> None:
-    """Call a kernel of lora_decode.c: x, y, then the token index arrays, n, then the weights' layout.
+    """Call a kernel of lora.c: x, y, then the token index arrays, n, then the weights' layout.
     x: [T, in]; y: [T, sum(out_g)]; rows of both contiguous."""
     assert x.stride(1) == 1 and y.stride(1) == 1 and x.shape[1] == w.n_in and y.shape[1] == w.width
     assert x.dtype == y.dtype == w.dtype == dtype and w.paired == pairs_b(dtype)
@@ -169,7 +166,7 @@ class LoraSegments:
 
 
 class LoraRows:
-    """Decode tokens whose whole LoRA the C base GEMM computes (c_gemm.GemmLora, gemm_lora.c): (t, s, r)
+    """Decode tokens whose whole LoRA the C base GEMM computes (c_gemm.GemmLora, gemm_lora_avx512bf16.c): (t, s, r)
     for t, s, r in zip(tokens, slots, ranks), tokens distinct rows of a step of num_rows tokens.
     Requires supports_fused(dtype)."""
 

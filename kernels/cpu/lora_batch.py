@@ -4,9 +4,9 @@ over adapters in Python.
 
 Tokens are grouped once per step (`LoraBatch.build`); the step's distinct adapters become "slots" 0..S-1
 of its pointer tables (lora.Weights). Decode tokens (the first `num_decode`, one per request) go to the C
-kernel (kernels/cpu/lora_decode.c): one task per token that streams its adapter's own rank of A and B once,
+kernel (kernels/cpu/csrc/lora.c): one task per token that streams its adapter's own rank of A and B once,
 in fp32, so a decode token's delta never depends on who shares the step or its adapter. In bf16 with the
-AVX512-BF16 C GEMM, the GEMM computes those tokens' LoRA itself (`fused`, kernels/cpu/gemm_lora.c): the
+AVX512-BF16 C GEMM, the GEMM computes those tokens' LoRA itself (`fused`, kernels/cpu/csrc/gemm_lora_avx512bf16.c): the
 adapters' bytes stream in while it computes. In bf16 with AVX512-BF16 or AVX2, prefill tokens go to the
 segment kernel (tokens grouped by adapter, 4 at a time per weight load, each token still computed on its
 own); otherwise (fp32, or bf16 on other CPUs) to the per-token kernel. Ranks or widths beyond what the C

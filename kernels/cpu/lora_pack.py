@@ -41,8 +41,7 @@ _FN: object = False
 def _fn():
     global _FN
     if _FN is False:
-        fns = load_functions("lora_pack", {0: "pack_lora"},
-                             [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int])
+        fns = load_functions("lora_pack", {0: "pack_lora"})
         _FN = None if fns is None else fns[0]
     return _FN
 

@@ -1,4 +1,4 @@
-"""The one-call C decoder (kernels/cpu/decoder.c) gives exactly the bits of the op-by-op layer loop, over
+"""The one-call C decoder (kernels/cpu/csrc/decoder.c) gives exactly the bits of the op-by-op layer loop, over
 chunked prefill, mixed prefill and decode steps, prompt logprobs, and adapters (decode and prefill)."""
 import pytest
 

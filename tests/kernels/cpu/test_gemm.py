@@ -1,4 +1,4 @@
-"""The packed bf16 GEMM of this CPU (kernels/cpu/gemm.c on AVX512-BF16, gemm_avx2.c on AVX2 + FMA):
+"""The packed bf16 GEMM of this CPU (kernels/cpu/csrc/gemm_avx512bf16.c on AVX512-BF16, gemm_avx2.c on AVX2 + FMA):
 layout, results and batch invariance."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The base GEMM that computes its decode rows' multi-LoRA itself (kernels/cpu/gemm_lora.c)."""
+"""The base GEMM that computes its decode rows' multi-LoRA itself (kernels/cpu/csrc/gemm_lora_avx512bf16.c)."""
 from __future__ import annotations
 
 import pytest

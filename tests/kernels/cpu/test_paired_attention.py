@@ -1,4 +1,4 @@
-"""The paired KV layout (paired_attention.c): its writer against the layout's definition, its attention
+"""The paired KV layout (attention_avx512bf16.c): its writer against the layout's definition, its attention
 against the fp32 reference and against the row-layout kernel."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The C tiled paged attention (paged_tiled_attention.c) against the fp32 torch reference, one row at a
+"""The C tiled paged attention (attention_tiled.c) against the fp32 torch reference, one row at a
 time; and the property the engine relies on: a token's output has the same bits in any tile."""
 from __future__ import annotations
 

@@ -5,6 +5,7 @@
  * task runs the tiles of its rows over the whole K. Each output is one fp32 sum rounded once to bf16, so
  * a row's result never depends on the other rows of the batch.
  */
+#include "loraplex_kernels.h"
 #include "gemm_tile.h"
 
 /* The body of gemm_bf16, run by every thread of the enclosing parallel region (a work-shared loop, with

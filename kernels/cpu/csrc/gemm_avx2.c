@@ -13,6 +13,7 @@
  * batch (the engine's batch invariance rests on it).
  * Work: tasks of (row block of <= MC rows, column block), split statically over the OpenMP threads.
  */
+#include "loraplex_kernels.h"
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>

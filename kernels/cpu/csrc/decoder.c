@@ -1,7 +1,7 @@
 /* Every decoder layer of a Llama model over one step's T tokens, in one call and one OpenMP parallel region
  * (AVX512-BF16, bf16, the paired KV layout): the layer loop of engine/model/llama.py without its ~10
  * Python-to-C calls and parallel regions per layer. Each stage is the same kernel body the separate
- * calls run (a unity build of gemm.c, gemm_lora.c, lora_decode.c, elementwise.c and paired_attention.c),
+ * calls run (a unity build of gemm_avx512bf16.c, gemm_lora_avx512bf16.c, lora.c, elementwise.c and attention_avx512bf16.c),
  * and the stages are separated by barriers, so the result has exactly the bits of the per-op path. Per
  * layer:
  *
@@ -18,15 +18,16 @@
  * the GEMM, as gemm_lora_bf16 does (decode tokens), then adds the segments' deltas, as lora_segments_bf16
  * does (prefill tokens grouped by adapter): the order of the op-by-op path (LlamaModel._layers).
  */
-#include "gemm.c"
-#include "gemm_lora.c"
-#include "lora_decode.c"
+#include "loraplex_kernels.h"
+#include "gemm_avx512bf16.c"
+#include "gemm_lora_avx512bf16.c"
+#include "lora.c"
 #include "elementwise.c"
-#include "paired_attention.c"
+#include "attention_avx512bf16.c"
 
 #define NGROUPS 4   /* projection groups per layer: qkv, o, gate_up, down */
 
-/* One projection group's multi-LoRA for the step (gemm_lora.c's arguments); a == NULL: none. */
+/* One projection group's multi-LoRA for the step (gemm_lora_avx512bf16.c's arguments); a == NULL: none. */
 typedef struct {
     const uint16_t *const *a;                   /* [S] each slot's A [R][G][in] */
     int R, G;
@@ -40,7 +41,7 @@ typedef struct {
     const uint16_t *k_cache, *v_cache;          /* the layer's paired K and V views at page 0 */
 } decoder_layer;
 
-typedef struct {
+typedef struct decoder_args {
     int num_layers, T, H, heads, kv_heads, d, I, block_size;
     int64_t page_stride, max_blocks;            /* elements between pages; block table width */
     float eps, scale;
@@ -67,7 +68,7 @@ typedef struct {
 
 #if defined(__AVX512BF16__)
 /* y [T, N] = x [T, K] @ W^T of projection group g of layer l, with its decode rows' LoRA inside when the
- * group has one (gemm_lora.c), then its segments' deltas (lora_segments_bf16's body); every thread of the
+ * group has one (gemm_lora_avx512bf16.c), then its segments' deltas (lora_segments_bf16's body); every thread of the
  * region calls it, and it ends with all threads done. */
 static void project(const decoder_args *a, const step_state *st, int l, int g, const uint16_t *x, int K,
                     const uint16_t *p, uint16_t *y, int N) {

@@ -1,7 +1,7 @@
 /* The bf16 base GEMM of one fused projection group with the multi-LoRA of its decode rows inside it:
  *     y = x @ W^T;   y[t, cols of output g] += B_g[s]^T (A[s] x[t])   for each row t with slot s = slot[t] >= 0
  * (rank rank[t]; A [S][R][G][K] rank-major, B_g [S][ceil(R / 2)][out_g][2] transposed, pre-scaled and in
- * lora_bf16.h's paired layout: the LoRA slots). The intermediate A x is rounded to bf16 (as a bf16 LoRA).
+ * lora_avx512bf16.h's paired layout: the LoRA slots). The intermediate A x is rounded to bf16 (as a bf16 LoRA).
  *
  * The adapters' bytes are what a decode step's LoRA costs (each row its own adapter: memory-bound), while
  * the GEMM is compute-bound; here the two overlap. The column blocks are split in two phases:
@@ -14,11 +14,12 @@
  * columns follows A's share of the adapter bytes.
  * Every row is computed on its own: results never depend on the rest of the batch.
  */
+#include "loraplex_kernels.h"
 #include <omp.h>
 #include <stdlib.h>
 
 #include "gemm_tile.h"
-#include "lora_bf16.h"
+#include "lora_avx512bf16.h"
 
 #define MAX_GROUPS 3
 #define MAX_ROWS (256 * MAX_GROUPS)

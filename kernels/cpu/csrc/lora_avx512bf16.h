@@ -1,4 +1,4 @@
-/* bf16 LoRA building blocks on AVX512-BF16, shared by lora_decode.c and gemm_lora.c.
+/* bf16 LoRA building blocks on AVX512-BF16, shared by lora.c and gemm_lora_avx512bf16.c.
  * shrink_bf16: v[row] = A[row] . x (vdpbf16ps: exact bf16 products, fp32 sums), 16 rows per pass over x.
  * expand_pairs_bf16: y[0, o) += sum_k v[k] * Bt[k] with one rounding per output, on vdpbf16ps over the paired
  * B layout (two ranks per instruction).
@@ -16,7 +16,7 @@ static inline __mmask32 mask32(int64_t left) { return left >= 32 ? 0xffffffffu :
 
 /* v[0, 16) = A[0, 16) . x: 16 independent dot products (16 vdpbf16ps chains per x load hide its
  * latency), reduced together by sum16's transpose-add tree. Every row's sum is one chain over x's
- * 32-element chunks from zero, then sum16's order: the segment kernel (lora_decode.c's shrink_tile_bf16)
+ * 32-element chunks from zero, then sum16's order: the segment kernel (lora.c's shrink_tile_bf16)
  * computes each (token, row) the same way, so a token gets the same bits whichever kernel runs it. */
 static inline void shrink16_bf16(const uint16_t *xt, const uint16_t *as, int in, float *v) {
     __m512 d[16];

@@ -13,6 +13,7 @@
  * (orphaned `omp for`): the public functions run them in a parallel region of their own, decoder.c inside
  * the one region of a whole decoder pass.
  */
+#include "loraplex_kernels.h"
 #include <math.h>
 #include <stdint.h>
 #include <string.h>

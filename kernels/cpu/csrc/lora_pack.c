@@ -9,11 +9,12 @@
  * conversion (before the scale), as there: NaN or infinity in the model dtype fails the piece.
  * Returns 0, or -(1 + i) for the first piece i holding a non-finite value (the rest not written).
  */
+#include "loraplex_kernels.h"
 #include <stdint.h>
 
 #include "bf16.h"
 
-typedef struct {
+typedef struct pack_piece {
     int64_t src;        /* byte offset of the tensor in `data` */
     int64_t dst;        /* element offset of its block in `out` */
     int32_t rows, cols;

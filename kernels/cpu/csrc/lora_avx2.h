@@ -1,4 +1,4 @@
-/* bf16 multi-LoRA building blocks on AVX2 + FMA (bf16 stored, fp32 computed) for lora_decode.c: decode
+/* bf16 multi-LoRA building blocks on AVX2 + FMA (bf16 stored, fp32 computed) for lora.c: decode
  * tokens alone, prefill tokens in segments of one adapter.
  *
  * Weights as the LoRA slots hold them: A [R][G][in] rank-major (row k * G + g is rank k of output g) and,

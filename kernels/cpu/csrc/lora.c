@@ -7,9 +7,10 @@
  * A and every Bt_g are addressed per slot: a[s], b[s * G + g].
  * Each adapter's weights are streamed once, front to back; the shrink keeps v in fp32 and the expand
  * accumulates a whole y row in fp32 before one rounding. Parallel over tokens with OpenMP.
- * Builds: fp32 and plain-C bf16 (DEFINE_LORA); bf16 with AVX512-BF16 (lora_bf16.h) or with AVX2 + FMA
+ * Builds: fp32 and plain-C bf16 (DEFINE_LORA); bf16 with AVX512-BF16 (lora_avx512bf16.h) or with AVX2 + FMA
  * (lora_avx2.h), each also with lora_segments_bf16 for prefill tokens grouped by adapter.
  */
+#include "loraplex_kernels.h"
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -118,10 +119,10 @@ static __attribute__((unused)) int segment_tasks(const int64_t *seg_start, const
 DEFINE_LORA(lora_decode_f32, float, f32_id, f32_id)
 
 #ifdef __AVX512BF16__
-#include "lora_bf16.h"
+#include "lora_avx512bf16.h"
 
 /* bf16 with AVX512-BF16: the same contract as above, except that each Bt_g[s] is in the paired layout of
- * lora_bf16.h ([ceil(R / 2)][out_g][2]) and the intermediate A x is rounded to bf16 before the expand (as
+ * lora_avx512bf16.h ([ceil(R / 2)][out_g][2]) and the intermediate A x is rounded to bf16 before the expand (as
  * a bf16 LoRA does); ~3x fewer instructions per weight byte. */
 int lora_decode_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const int64_t *tok,
                      const int64_t *slot, const int64_t *rank, int n, const uint16_t *const *a,

@@ -18,6 +18,7 @@
  * write_kv_paired_bf16: token t's K and V ([T, KVH * d] rows at a stride) into page pages[t], slot
  * offs[t] of the caches.
  */
+#include "loraplex_kernels.h"
 #include <float.h>
 #include <math.h>
 #include <stdint.h>
@@ -282,7 +283,7 @@ int paired_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, co
 }
 #endif
 
-/* The body of write_kv_paired_bf16: a work-shared loop over the tokens (see gemm.c's gemm_for). */
+/* The body of write_kv_paired_bf16: a work-shared loop over the tokens (see gemm_avx512bf16.c's gemm_for). */
 static void write_kv_paired_for(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride,
                                 uint16_t *k_cache, uint16_t *v_cache, int64_t page_stride, const int64_t *pages,
                                 const int64_t *offs, int64_t rows, int KVH, int d, int bs) {

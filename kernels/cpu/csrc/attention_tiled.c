@@ -19,6 +19,7 @@
  * tile of one) and as a prefill row. fp32 inside; bf16 output rounded to nearest even. d must be a
  * multiple of 16 for the blocked path (else the plain loops). Parallel over tiles with OpenMP.
  */
+#include "loraplex_kernels.h"
 #include <float.h>
 #include <math.h>
 #include <stdint.h>

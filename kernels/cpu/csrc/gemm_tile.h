@@ -1,4 +1,4 @@
-/* The register tile of the bf16 GEMM (gemm.c, gemm_lora.c), with an optional multi-LoRA epilogue.
+/* The register tile of the bf16 GEMM (gemm_avx512bf16.c, gemm_lora_avx512bf16.c), with an optional multi-LoRA epilogue.
  *
  * Packed W (see gemm.py): [ceil(N / NB)][K / 2][NB][2], NB = 48 columns per block, columns past N zero;
  * element (n, k) sits at block n / NB, pair k / 2, lane n % NB, half k % 2, so one 64-byte load holds 16
@@ -19,7 +19,7 @@
 /* Multi-LoRA deltas added in the tile epilogue (gemm_lora_bf16): row t of the call gets
  *     y[t, c] += sum_k v_t[k, g] * Bt[g][slot[t]][k][c - start_g]   for k < rank[t]
  * for every column c of output g (outputs side by side, each a multiple of 16 columns); slot[t] < 0: none.
- * b[s * G + g] is Bt in lora_bf16.h's paired layout [ceil(R / 2)][out[g]][2] (B transposed
+ * b[s * G + g] is Bt in lora_avx512bf16.h's paired layout [ceil(R / 2)][out[g]][2] (B transposed
  * and pre-scaled, as the LoRA slots); vp + t * vp_stride holds row t's v as bf16 pairs, vp[kk * G + g]. */
 typedef struct {
     const int64_t *slot, *rank;
@@ -53,7 +53,7 @@ static inline const uint16_t *pair_base(const lora_args *l, const col_map *cm, i
 
 /* acc rows [0, mr) x columns [c0, c0 + ncols) (fp32, row stride NB) <- bf16(acc) + the LoRA deltas of those
  * rows, on vdpbf16ps (one instruction adds two ranks into 16 columns): the base rounded first and the
- * delta summed in lora_bf16.h's order (expand_pairs_bf16), so the tile's final rounding gives the bits of
+ * delta summed in lora_avx512bf16.h's order (expand_pairs_bf16), so the tile's final rounding gives the bits of
  * the GEMM followed by a separate LoRA kernel. */
 static inline void lora_epilogue(const lora_args *l, const col_map *cm, int64_t m, int mr, int ncols, float *acc) {
     for (int r = 0; r < mr; r++) {
