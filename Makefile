@@ -41,7 +41,9 @@ clean:
 	rm -rf $(VENV)
 
 # On a machine with a CUDA GPU: the backend tests without the Triton interpreter, the fidelity tests on
-# CUDA, the engine and multi-LoRA benchmarks with --device cuda; everything printed goes to GPU_CHECK_OUT.
+# CUDA (float32 tokens and bfloat16 log-probabilities against PEFT), the engine, multi-LoRA, attention, PEFT
+# and cold-load benchmarks with --device cuda, and the server answering the openai client on CUDA
+# (bench/serve_check.py); everything printed goes to GPU_CHECK_OUT; any step that fails fails the target.
 # GPU_PY=python3 uses that interpreter (its own torch, triton, transformers and peft) instead of .venv:
 # for a machine that cannot install (docs/gpu-check.md).
 GPU_CHECK_OUT ?= gpu-check.txt
@@ -54,3 +56,6 @@ gpu-check: $(if $(filter $(BIN)/python,$(GPU_PY)),$(STAMP))
 	TRITON_INTERPRET=0 $(GPU_PY) -m bench.bench_engine --device cuda --repeats 3 2>&1 | tee -a $(GPU_CHECK_OUT)
 	TRITON_INTERPRET=0 $(GPU_PY) -m bench.bench_lora --device cuda 2>&1 | tee -a $(GPU_CHECK_OUT)
 	TRITON_INTERPRET=0 $(GPU_PY) -m bench.bench_attention --device cuda 2>&1 | tee -a $(GPU_CHECK_OUT)
+	TRITON_INTERPRET=0 $(GPU_PY) -m bench.bench_peft --experiment peft --device cuda 2>&1 | tee -a $(GPU_CHECK_OUT)
+	TRITON_INTERPRET=0 $(GPU_PY) -m bench.bench_coldstart --device cuda 2>&1 | tee -a $(GPU_CHECK_OUT)
+	TRITON_INTERPRET=0 $(GPU_PY) -m bench.serve_check --device cuda 2>&1 | tee -a $(GPU_CHECK_OUT)

@@ -62,6 +62,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num", type=int, default=64)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (make gpu-check): the pool and PEFT's model there; "
+                   "on cuda a cold load ends when its pages' copy on the side stream has landed")
     p.add_argument("--peft-every", type=int, default=4, help="time PEFT on every k-th adapter (it is slow)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None)
@@ -79,14 +81,14 @@ def main() -> None:
             for i in range(args.num)]
     sizes = [d.joinpath("adapter_model.safetensors").stat().st_size for d in dirs]
     copy = [memcpy_seconds(d / "adapter_model.safetensors") for d in dirs]
-    llm = LLM(dtype=args.dtype)
+    llm = LLM(dtype=args.dtype, device=args.device)
     freeze_startup_objects()        # as the server's engine process does once it is built
     loraplex_seconds(llm, "warm-up", dirs[0])
     ours = [loraplex_seconds(llm, f"c{i}", d) for i, d in enumerate(dirs)]
     llm.engine.adapters.close()
     del llm
     path, _ = resolve_model("default")
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval().to(args.device)
     model = PeftModel.from_pretrained(base, str(dirs[0]), adapter_name="first")
     picked = list(range(0, args.num, args.peft_every))
     theirs = {i: peft_seconds(model, f"p{i}", dirs[i]) for i in picked}

@@ -41,7 +41,7 @@ def experiment_peft(args, work: Path) -> None:
     prompts = prompts_for(args.num, args.prompt_len)
     print(f"(1) {args.num} requests x {args.prompt_len}+{args.out_len} tokens over {args.num} adapters of ranks "
           f"8/16/32 on all seven projections, {args.dtype}; loraplex at its defaults (LLM(dtype={args.dtype!r}))")
-    llm = LLM(dtype=args.dtype)
+    llm = LLM(dtype=args.dtype, device=args.device)
     for name, d in zip(names, dirs):
         llm.register_adapter(name, str(d))
     run_loraplex(llm, prompts, names, 2)                        # warm-up: every adapter loaded once
@@ -78,13 +78,13 @@ def run_peft(args, dirs, names, prompts, picks: dict) -> dict[str, float]:
 
     from engine.model.resolve import resolve_model
     path, _ = resolve_model("default")
-    base = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval().to(args.device)
     t = time.perf_counter()
     model = PeftModel.from_pretrained(base, str(dirs[0]), adapter_name=names[0])
     for name, d in zip(names[1:], dirs[1:]):
         model.load_adapter(str(d), adapter_name=name)
     print(f"    (PEFT loaded {len(names)} adapters in {time.perf_counter() - t:.1f} s)")
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=args.device)
     kw = dict(do_sample=False, pad_token_id=0)
     out = {}
     with torch.no_grad():
@@ -133,6 +133,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--experiment", default="all", choices=["peft", "sweep", "all"])
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu or cuda: both sides run there (make gpu-check: cuda)")
     p.add_argument("--num", type=int, default=64, help="requests at a time (and adapters in (1))")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--out-len", type=int, default=64)

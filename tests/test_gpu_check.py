@@ -23,3 +23,19 @@ def test_gpu_check_exits_non_zero_when_a_step_fails(tmp_path):
     assert run.returncode != 0, run.stdout + run.stderr
     text = out.read_text()
     assert "Stand-in GPU" in text and "stand-in step failed: -m pytest" in text
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="no make here")
+def test_gpu_check_runs_every_step_and_its_last_one_can_fail_it(tmp_path):
+    """A stand-in whose steps all pass but the server check: every step ran, in order, and the target fails."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/bash\nif [ "$1" = "-c" ]; then echo "Stand-in GPU torch 0"; exit 0; fi\n'
+                    'echo "step: $*"; case "$*" in *serve_check*) exit 4;; esac; exit 0\n')
+    fake.chmod(0o755)
+    out = tmp_path / "gpu-check.txt"
+    run = subprocess.run(["make", "-s", "gpu-check", f"GPU_PY={fake}", f"GPU_CHECK_OUT={out}"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0, run.stdout + run.stderr
+    steps = [line.split()[2] for line in out.read_text().splitlines() if line.startswith("step: -m")]
+    assert steps == ["pytest", "bench.bench_engine", "bench.bench_lora", "bench.bench_attention", "bench.bench_peft",
+                     "bench.bench_coldstart", "bench.serve_check"], steps

@@ -52,3 +52,24 @@ def test_greedy_tokens_match_peft_on_every_backend(backend, tiny):
     want = [peft_greedy(oracle, name, ids, 8) for name, ids in jobs]
     assert got == want
     assert sum(g != peft_greedy(oracle, None, ids, 8) for g, (name, ids) in zip(got, jobs) if name) >= 3
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_bfloat16_answers_as_peft_does_up_to_its_rounding(backend, tiny):
+    """bfloat16 end to end (on CUDA under `make gpu-check`): the same mixed batch's first tokens. bf16 may break
+    a near-tie otherwise than float32, so each row's greedy token must be within 0.1 of PEFT's (float32) best
+    log-probability, and the log-probability the engine reports for it within 0.1 of PEFT's."""
+    from tests.engine.lora.test_fidelity import peft_logits
+    d, oracle = tiny
+    llm = LLM(model=str(d / "model"), dtype="bfloat16", backend=backend, device=str(DEVICE),
+              kv_cache_memory_bytes=1 << 22, block_size=32 if backend == "cpu" else 16)
+    for name in TINY_ADAPTERS:
+        llm.register_adapter(name, str(d / "adapters" / name))
+    jobs = [(name, PROMPTS[i % len(PROMPTS)]) for i, name in enumerate([*TINY_ADAPTERS, None, None])]
+    outs = llm.generate([ids for _, ids in jobs], SamplingParams(temperature=0, max_tokens=1, logprobs=1),
+                        adapter=[name for name, _ in jobs])
+    for (name, ids), out in zip(jobs, outs):
+        ref = peft_logits(oracle, name, ids).log_softmax(-1)
+        token = out.token_ids[0]
+        assert ref.max().item() - ref[token].item() < 0.1, (name, token)
+        assert abs(out.outputs[0].logprobs[0][token] - ref[token].item()) < 0.1, name
