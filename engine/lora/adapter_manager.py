@@ -13,8 +13,8 @@ Invariants:
   evicted least recently used first, when KV blocks or another adapter need the pages;
 - on the host a load from the file packs straight into the pages (no staging copy): the host tier's copy
   of that adapter is taken afterwards, from its pages (`_host_copies`: only while no load is in flight, one
-  at a time); evicting or dropping the adapter meanwhile abandons that copy (`_abandon_copy`), never waits
-  for it.
+  at a time, between forward passes); evicting or dropping the adapter meanwhile abandons that copy
+  (`_abandon_copy`), never waits for it.
 """
 from __future__ import annotations
 
