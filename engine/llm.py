@@ -107,6 +107,7 @@ class LLM:
                         out.finish_reason = d.finish_reason
                         out.error = d.error
                         bar.update()
+            self.engine.settle()            # idle now, as a server between requests
         finally:
             bar.close()
             for rid in results:

@@ -45,8 +45,9 @@ REQUESTS = Counter("loraplex_requests", "Finished requests by adapter (top adapt
 SLOW_READERS = Counter("loraplex_slow_reader_aborts", "Streams aborted because their client stopped reading: "
                        "'buffer' (MAX_BUFFERED outputs behind) or 'timeout' (nothing taken for --stream-timeout)",
                        ["cause"])
-TENANT_REQUESTS = Counter("loraplex_tenant_requests", "Finished requests by tenant (the configured tenants and "
-                          "'admin': a bounded label)", ["tenant", "finish_reason"])
+TENANT_REQUESTS = Counter("loraplex_tenant_requests", "Requests answered in full, by tenant (the configured tenants "
+                          "and 'admin': a bounded label), counted once the answer's last byte was written; one per "
+                          "choice", ["tenant", "finish_reason"])
 
 TOP_ADAPTER_LABELS = 20
 

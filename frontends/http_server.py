@@ -137,7 +137,11 @@ class OpenAIServer:
         choices = [(view.text(c.text, True), finish_reason(c.final.finish_reason),
                     None if params.logprobs is None else view.logprobs(c.entries, c.prompt_logprobs, 0, True))
                    for c in done]
-        return web.json_response(oai.completion_response(rid, req.model, choices, chat, use))
+        resp = web.json_response(oai.completion_response(rid, req.model, choices, chat, use))
+        await resp.prepare(request)
+        await resp.write_eof()
+        self.delivered(request, [c.final.finish_reason for c in done])
+        return resp
 
     def logprobs(self, entries, chat: bool, offset: int) -> dict:
         piece = self.token_text
@@ -158,7 +162,7 @@ class OpenAIServer:
             await gens.aclose()
             raise
         resp = await sse.open_stream(request)
-        chunks, last_t = StreamChunks(len(gens), rid, model, chat, view), None
+        chunks, last_t, finishes = StreamChunks(len(gens), rid, model, chat, view), None, []
         try:
             while True:
                 now = time.monotonic()
@@ -172,12 +176,14 @@ class OpenAIServer:
                     await self.send(resp, sse.event(chunk))
                 if out.finish_reason is not None:
                     self.observe(request, adapter, out.finish_reason, start)
+                    finishes.append(out.finish_reason)
                     if chunks.finish(i, out):
                         break
                 i, out = await gens.__anext__()
             if include_usage:
                 await self.send(resp, sse.event(chunks.usage()))
             await self.send(resp, sse.DONE)
+            self.delivered(request, finishes)
         except EngineError as e:
             try:
                 await self.send(resp, sse.event(ApiError(e.status, str(e)).body()))
@@ -200,7 +206,12 @@ class OpenAIServer:
     def observe(self, request: web.Request, adapter: str | None, finish: str | None, start: float) -> None:
         metrics.E2E.observe(time.monotonic() - start)
         metrics.REQUESTS.labels(self.labels(adapter), finish or "none").inc()
-        metrics.TENANT_REQUESTS.labels(request["caller"].name, finish or "none").inc()
+
+    @staticmethod
+    def delivered(request: web.Request, finishes: list) -> None:
+        """The whole answer (every choice) was written to the client: what its tenant's counter counts."""
+        for finish in finishes:
+            metrics.TENANT_REQUESTS.labels(request["caller"].name, finish or "none").inc()
 
     # -- models and adapters ----------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:

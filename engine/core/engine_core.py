@@ -225,6 +225,11 @@ class EngineCore:
         """Adapter loads pause while the forward pass computes (engine/lora/loader.py)."""
         return self.adapters.loader.step_running() if self.adapters is not None else contextlib.nullcontext()
 
+    def settle(self) -> None:
+        """Nothing to run: finish the background work that waits for such a moment (adapters' host copies)."""
+        if self.adapters is not None:
+            self.adapters.settle()
+
     def _step_failed(self, out, error: Exception) -> list[TokenOutput]:
         """The model step over `out` raised. Run alone, a request is the culprit: it fails (status 500 at the
         server) and nothing else does. In a batch, every request in it becomes a suspect and is recomputed

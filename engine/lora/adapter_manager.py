@@ -249,6 +249,15 @@ class AdapterManager:
         self._host_copies()
         return failed
 
+    def settle(self) -> None:
+        """Take every host copy that is due now, waiting for them: what the engine does when it has nothing to
+        run (a copy runs only between forward passes and is taken by a poll, so an engine gone idle right
+        after a load would otherwise leave it undone). Returns at once while a load is in flight."""
+        self._host_copies()
+        while busy := [a.copy for a in self.by_id.values() if a.copy is not None]:
+            wait_futures(busy)
+            self._host_copies()
+
     def _host_copies(self) -> None:
         """Take finished host copies into the host tier; start the next one only while no load is in
         flight (a load always goes first), one at a time, most recently used adapter first."""

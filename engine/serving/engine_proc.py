@@ -131,6 +131,7 @@ class AsyncEngine:
                 if self.draining:
                     await self.send_q.join()            # the last outputs are out
                     return
+                await self._run(self.core.settle)
                 self.stats.publish(force=True)
                 self.wakeup.clear()
                 if self.inbox.empty():

@@ -34,6 +34,7 @@ def test_adapter_tiers_bytes_and_load_times_are_published(adapter_dir):
     core.adapters.loader.resume()
     while core.has_unfinished():
         core.step()
+    core.settle()                                     # as the engine does once idle: the host copy is taken
     pub.publish(force=True)
     a = core.adapters.lookup("a")
     page_bytes = core.adapters.page_elems * 4
