@@ -28,6 +28,7 @@ import zmq.asyncio
 from engine import envs, metrics
 from engine.config import EngineConfig
 from engine.core.engine_core import DeviceFault, EngineCore, freeze_startup_objects
+from engine.core.warm_up import warm_up
 from engine.output_processor import OutputProcessor
 from engine.serving.adapter_commands import AdapterCommands
 from engine.serving.adapter_journal import AdapterJournal
@@ -77,6 +78,8 @@ class AsyncEngine:
             log.info("%d adapters listed in %s (each read when first used)", len(self.adapter_ops.catalog.listed),
                      self.adapter_dir)
         await self.adapter_ops.restore()
+        if self.core.runner.device.type == "cuda":
+            await self._run(warm_up, self.core)         # every Triton kernel compiled before we say ready
         freeze_startup_objects()            # this engine lives as long as this process
         self.ctx = zmq.asyncio.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)

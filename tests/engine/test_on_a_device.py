@@ -259,3 +259,15 @@ def test_sampling_penalties_and_logprobs_read_back_a_few_transfers_a_step(tiny, 
         assert len(tokens) == (1 if sampled else 0), step_reads
         assert len(step_reads) - len(tokens) in (0, 3, 6), step_reads      # logprobs, prompt logprobs
     assert any(len(r) == 7 for _, r in steps), "a step read back both kinds of logprobs"
+
+
+def test_the_warm_up_launches_every_triton_kernel_on_the_device(tiny, reads):
+    """What a server on a GPU runs before it says it is ready (engine/core/warm_up.py): every Triton kernel a
+    step launches, decode and prefill, with and without an adapter, so none compiles while serving."""
+    from engine.core.warm_up import warm_up
+    llm = engine_on_device(tiny, "triton")
+    before = {name: getattr(m, name).count for m, names in KERNELS.items() for name in names}
+    warm_up(llm.engine)
+    after = {name: getattr(m, name).count for m, names in KERNELS.items() for name in names}
+    assert all(after[k] > before[k] for k in after if k != "_combine_splits_kernel"), (before, after)
+    assert not llm.engine.has_unfinished() and llm.engine.pool.usage()["adapter"] == 0
