@@ -50,7 +50,7 @@ def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, p
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
-    pids: list[int] = []
+    pids: dict[int, str] = {}      # every replica server's process seen, with its start time (pids are reused)
     try:
         app = build_app(replica_argv(argv), replicas, max_adapters, routing=routing, load_bound=load_bound)
         serve.run(app, name="loraplex", route_prefix="/")
@@ -60,14 +60,17 @@ def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, p
               flush=True)
         ready.announce(url=url, replicas=replicas, pid=os.getpid())
         directory = serve.get_deployment_handle("Directory", app_name="loraplex")
-        while not stopping.wait(1.0):       # the replicas' processes now, replacements included
+        while not stopping.wait(1.0):       # the replicas' processes, replacements and replaced ones included
             with contextlib.suppress(Exception):
-                pids = sorted({p for info in directory.all.remote().result().values() for p in info.get("pids", [])})
+                for info in directory.all.remote().result().values():
+                    for p in info.get("pids", []):
+                        if p not in pids and (started := _start_time(p)) is not None:
+                            pids[p] = started
     finally:
         for stop in (serve.shutdown, ray.shutdown):    # Ray's own processes may have had the signal too
             with contextlib.suppress(Exception):
                 stop()
-        left = wait_gone(pids, STOP_WAIT_S)
+        left = wait_gone([p for p, started in pids.items() if _start_time(p) == started], STOP_WAIT_S)
         if left:
             print(f"loraplex: processes {left} still ran {STOP_WAIT_S:.0f} s after the stop; killed", flush=True)
         print("loraplex: stopped", flush=True)
@@ -89,6 +92,16 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
         with contextlib.suppress(OSError):
             os.kill(p, signal.SIGKILL)
     return alive
+
+
+def _start_time(pid: int) -> str | None:
+    """When `pid` started (clock ticks since boot), or None if it does not run: a pid with another start
+    time is another process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 def _alive(pid: int) -> bool:

@@ -191,9 +191,11 @@ class AdapterLoader:
         self.hold.wait()
         out = host_buffer(len(pages) * self.page_elems, self.dtype, False).view(len(pages), self.page_elems)
         for row, page in zip(out, pages):
-            self.gate.wait()        # NOTE: only between forward passes: a copy is never urgent
-            if self._loads_waiting or stop.is_set():
-                raise CopyYielded("a load is waiting for the loader" if not stop.is_set() else "abandoned")
+            while True:             # NOTE: only between forward passes (a copy is never urgent), never
+                if self._loads_waiting or stop.is_set():            # keeping a load waiting meanwhile
+                    raise CopyYielded("a load is waiting for the loader" if not stop.is_set() else "abandoned")
+                if self.gate.wait(0.001):
+                    break
             row.copy_(self.storage[page])
         return out
 

@@ -10,7 +10,7 @@ import sys
 
 from frontends import ready
 from frontends.lifetime import port_holder
-from frontends.ray_launcher import _alive, wait_gone
+from frontends.ray_launcher import _alive, _start_time, wait_gone
 from tests.frontends.server_fixture import Server, wait_until
 
 
@@ -36,8 +36,10 @@ def test_port_holder_names_the_listening_process():
 def test_wait_gone_kills_what_outlives_its_bound():
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     assert _alive(p.pid)
+    started = _start_time(p.pid)
+    assert started is not None and started == _start_time(p.pid) != _start_time(os.getpid())
     assert wait_gone([p.pid], 0.5) == [p.pid]
-    assert p.wait(10) == -signal.SIGKILL and not _alive(p.pid)
+    assert p.wait(10) == -signal.SIGKILL and not _alive(p.pid) and _start_time(p.pid) is None
 
 
 def test_every_process_dies_with_a_killed_launcher_and_the_port_is_refused_while_held(tiny_served):
