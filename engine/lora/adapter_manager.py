@@ -65,7 +65,6 @@ class Adapter:
     future: Future | None = None
     copy: Future | None = None   # its pages being copied into the host tier
     copy_stop: threading.Event | None = None   # set: that copy is abandoned (its pages freed)
-    wants_host_copy: bool = False   # loaded in place from its file: the host tier has no copy yet
     error: str | None = None
     load_started: float = 0.0   # time.monotonic() when its current load began
 
@@ -109,6 +108,10 @@ class AdapterManager:
         self.loader = AdapterLoader(storage, model.dtype, self.packer, self.copier.cuda, cfg.loader_threads)
         self.host = HostTier(cfg.max_cpu_loras, cfg.max_cpu_lora_bytes)
         self._failed: list[tuple[Adapter, str]] = []   # failures wait_loads saw, for the next poll
+        # host copies (see the module's invariants): resident adapters loaded in place that have none yet,
+        # and the adapter whose copy is in flight (at most one)
+        self._wanting: set[int] = set()
+        self._copying: Adapter | None = None
         # each finished load's time and each cold-started request's wait for it, for metrics to take and clear
         # (bounded: an offline LLM has no one taking them)
         self.load_seconds: deque[float] = deque(maxlen=4096)
@@ -226,7 +229,7 @@ class AdapterManager:
                 if err is None:
                     packed = a.future.result()
                     if packed is None:              # packed in place from its file: copied out later
-                        a.wants_host_copy = True
+                        self._wanting.add(a.adapter_id)
                     else:
                         self.host.put(a.adapter_id, packed)
                     if self.copier.cuda:
@@ -246,7 +249,8 @@ class AdapterManager:
                 self.stats.failed_loads += 1
                 failed.append((a, str(err)))
                 self._maybe_drop(a)
-        self._host_copies()
+        if self._copying is not None or self._wanting:
+            self._host_copies()
         return failed
 
     def settle(self) -> None:
@@ -254,32 +258,37 @@ class AdapterManager:
         run (a copy runs only between forward passes and is taken by a poll, so an engine gone idle right
         after a load would otherwise leave it undone). Returns at once while a load is in flight."""
         self._host_copies()
-        while busy := [a.copy for a in self.by_id.values() if a.copy is not None]:
-            wait_futures(busy)
+        while self._copying is not None:
+            wait_futures([self._copying.copy])
             self._host_copies()
 
     def _host_copies(self) -> None:
-        """Take finished host copies into the host tier; start the next one only while no load is in
-        flight (a load always goes first), one at a time, most recently used adapter first."""
-        busy = False
-        for a in list(self.by_id.values()):
-            if a.copy is not None and a.copy.done():
+        """Take a finished host copy into the host tier; start the next one only while no load is in flight
+        (a load always goes first), one at a time, most recently used adapter first."""
+        a = self._copying
+        if a is not None:
+            if a.copy is None:                      # abandoned (its adapter evicted or dropped)
+                self._copying = None
+            elif a.copy.done():
                 if a.copy.exception() is None:
                     self.host.put(a.adapter_id, a.copy.result())
                 else:                               # gave way to a load: taken again later
-                    a.wants_host_copy = True
-                a.copy = a.copy_stop = None
-            busy = busy or a.copy is not None or a.state == AdapterState.LOADING
-        if busy or self.host.max_adapters <= 0:
-            return
-        for adapter_id in reversed(self.lru):
-            a = self.by_id[adapter_id]
-            if a.wants_host_copy and not a.unregistering and a.state == AdapterState.RESIDENT:
-                a.wants_host_copy = False
-                if adapter_id not in self.host:
-                    a.copy_stop = threading.Event()
-                    a.copy = self.loader.copy_out(a.pages, a.copy_stop)
+                    self._wanting.add(a.adapter_id)
+                a.copy = a.copy_stop = self._copying = None
+            else:
                 return
+        if not self._wanting or self.host.max_adapters <= 0 or self.loading():
+            return
+        adapter_id = next((i for i in reversed(self.lru) if i in self._wanting and not self.by_id[i].unregistering),
+                          None)
+        if adapter_id is None:
+            return
+        self._wanting.discard(adapter_id)
+        a = self.by_id[adapter_id]
+        if adapter_id not in self.host:
+            a.copy_stop = threading.Event()
+            a.copy = self.loader.copy_out(a.pages, a.copy_stop)
+            self._copying = a
 
     def loading(self) -> bool:
         return any(a.state == AdapterState.LOADING for a in self.by_id.values())
@@ -332,7 +341,7 @@ class AdapterManager:
         if a.copy is not None:
             a.copy_stop.set()
             a.copy = a.copy_stop = None
-        a.wants_host_copy = False
+        self._wanting.discard(a.adapter_id)
 
     def _evict(self, a: Adapter) -> None:
         self._abandon_copy(a)
