@@ -1,5 +1,5 @@
 """The `n` choices of one API call: n engine requests (seed + i each), merged as their outputs come, or
-collected whole for a non-streamed answer."""
+collected whole for a non-streamed answer; and their usage."""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from frontends.api_responses import PromptTokensDetails, Usage
 from ipc.sampling_params import SamplingParams
 
 
@@ -89,3 +90,13 @@ async def collect(gens: Merged, on_finish) -> list[Choice]:
     finally:
         await gens.aclose()
     return choices
+
+
+def choices_usage(finals: list, prompt_only: bool = False) -> Usage:
+    """The usage of one call from its choices' final outputs: the prompt once, the completions summed
+    (none when only the prompt was asked for), the most cached tokens of any choice."""
+    prompt = finals[0].prompt_tokens
+    completion = 0 if prompt_only else sum(o.completion_tokens for o in finals)
+    cached = max(o.cached_tokens for o in finals)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached) if cached else None)

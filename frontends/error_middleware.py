@@ -13,9 +13,10 @@ import logging
 
 from aiohttp import web
 
+from frontends.api_error import ApiError
 from frontends.auth import ANONYMOUS_ADMIN, Auth
 from frontends.engine_client import EngineError
-from frontends.openai_protocol import ApiError
+from frontends.reply import reply
 
 log = logging.getLogger("loraplex.http")
 RETRY_AFTER_S = 1     # what a 429 (the waiting queue full) tells the client to wait
@@ -36,23 +37,23 @@ def error_middleware(auth: Auth):
             request["caller"] = caller or ANONYMOUS_ADMIN
             return await handler(request)
         except ApiError as e:
-            return web.json_response(e.body(), status=e.status)
+            return reply(e.response(), e.status)
         except EngineError as e:
             message = str(e)
             if e.status == 404 and not request.get("caller", ANONYMOUS_ADMIN).is_admin:
                 message = no_such_model(request.get("model"))    # a tenant learns nothing of the server
             headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
-            return web.json_response(ApiError(e.status, message).body(), status=e.status, headers=headers)
+            return reply(ApiError(e.status, message).response(), e.status, headers)
         except web.HTTPException as e:       # no such route (404), method (405), a body too large (413)
             if e.status < 400:
                 raise
             headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
-            return web.json_response(ApiError(e.status, e.reason).body(), status=e.status, headers=headers)
+            return reply(ApiError(e.status, e.reason).response(), e.status, headers)
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:       # a bug of ours: logged with its traceback, answered in the usual error shape
             log.exception("unexpected error in %s %s", request.method, request.path)
             if request.get("streaming"):
                 raise                  # the status line is sent: aiohttp closes the connection
-            return web.json_response(ApiError(500, "internal error (logged by the server)").body(), status=500)
+            return reply(ApiError(500, "internal error (logged by the server)").response(), 500)
     return errors

@@ -12,38 +12,39 @@ import signal
 import sys
 import time
 
-import msgspec
 from aiohttp import web
-from jinja2 import TemplateError
 
 from engine import envs, metrics
-from engine.tokenizer import encode_chat, load_tokenizer
-from frontends import api_types, ready, sse
-from frontends import openai_protocol as oai
-from frontends.api_types import ChatCompletionRequest, CompletionRequest, LoadLoraRequest, UnloadLoraRequest
+from engine.tokenizer import load_tokenizer
+from frontends import api_requests, ready
+from frontends import api_responses as r
+from frontends.api_error import ApiError
+from frontends.api_requests import LoadLoraRequest, UnloadLoraRequest
 from frontends.auth import Auth, parse_auth
-from frontends.choices import Merged, choice_params, collect
-from frontends.echo import Echo
-from frontends.engine_client import MAX_BUFFERED, AsyncEngineClient, EngineError
-from frontends.error_middleware import error_middleware, no_such_model
-from frontends.openai_protocol import ApiError
+from frontends.chat_endpoint import ChatEndpoint
+from frontends.completions_endpoint import CompletionsEndpoint
+from frontends.engine_client import MAX_BUFFERED, AsyncEngineClient
+from frontends.error_middleware import error_middleware
 from frontends.openapi import openapi_document
-from frontends.stream_chunks import StreamChunks, finish_reason
+from frontends.reply import reply
 
 log = logging.getLogger("loraplex.http")
 
 
 class OpenAIServer:
+    """The routes: the two generation endpoints (frontends/completions_endpoint.py, chat_endpoint.py),
+    models, adapter loading (admin), health, metrics and the OpenAPI document. Every JSON answer is an
+    api_responses struct."""
+
     def __init__(self, client: AsyncEngineClient, auth: Auth, stream_timeout: float = 60.0):
         self.client = client
-        self.stream_timeout = stream_timeout
         self.headers = {"X-Loraplex-Frontend": client.client_id}
         self.auth = auth
-        self.tokenizer = load_tokenizer(client.status.model_path)
-        self.labels = metrics.AdapterLabels()
+        tokenizer, labels = load_tokenizer(client.status.model_path), metrics.AdapterLabels()
+        self.completions = CompletionsEndpoint(client, tokenizer, labels, stream_timeout)
+        self.chat = ChatEndpoint(client, tokenizer, labels, stream_timeout)
         self.document = openapi_document(secured=auth.enabled)
 
-    # -- plumbing ---------------------------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(middlewares=[error_middleware(self.auth)], client_max_size=8 << 20)
         app.on_response_prepare.append(self.tag_response)
@@ -59,160 +60,6 @@ class OpenAIServer:
     async def tag_response(self, request: web.Request, response: web.StreamResponse) -> None:
         response.headers.update(self.headers)
 
-    @staticmethod
-    async def body(request: web.Request, type_: type):
-        """The body as its typed request (api_types): strict JSON (no NaN or Infinity), valid UTF-8 (no
-        lone surrogates), every field of its declared type and range; a 400 naming the field otherwise."""
-        try:
-            return api_types.decode(await request.read(), type_)
-        except api_types.DecodeFailure as e:
-            raise ApiError(400, e.message, e.param) from None
-
-    def adapter_for(self, request: web.Request, model: str) -> str | None:
-        """The adapter `model` names (None: the base model), if the caller may use it; the same 404 as for
-        a model that does not exist otherwise."""
-        request["model"] = model
-        adapter = None if model == self.client.status.model else model
-        if not request["caller"].may_use(adapter):
-            raise ApiError(404, no_such_model(model), "model", "model_not_found")
-        return adapter
-
-    async def check_health(self) -> None:
-        """Wait out an engine restart (the client's RESTART_WAIT); 503 if the engine does not come back."""
-        try:
-            await self.client.until_healthy()
-        except EngineError:
-            raise ApiError(503, "the engine is unavailable") from None
-
-    # -- generation -------------------------------------------------------------------------------------
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = await self.body(request, CompletionRequest)
-        prompt = oai.completion_prompt(req)
-        ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
-        oai.check_token_ids(ids, self.client.status.vocab_size)      # before echo decodes them
-        echo = None
-        if req.echo:
-            echo = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
-        return await self.generate(request, req, ids, echo=echo)
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        req = await self.body(request, ChatCompletionRequest)
-        try:
-            ids = encode_chat(self.tokenizer, oai.chat_messages(req))
-        except (ValueError, TemplateError) as e:       # no chat template, or one that refuses these messages
-            raise ApiError(400, f"'messages': {e}", "messages") from None
-        return await self.generate(request, req, ids)
-
-    async def generate(self, request: web.Request, req: CompletionRequest | ChatCompletionRequest, ids: list[int],
-                       echo: str | None = None) -> web.StreamResponse:
-        """echo (completions): the prompt's text, returned before the completion (with its tokens'
-        logprobs when logprobs are asked); with max_tokens 0, only the prompt (one token is computed
-        and dropped: how evaluation harnesses score a text)."""
-        chat = isinstance(req, ChatCompletionRequest)
-        adapter = self.adapter_for(request, req.model)
-        prompt_only = oai.check_length(req, len(ids), self.client.status.max_model_len, echo is not None)
-        oai.refuse_unsupported(req)
-        params = oai.sampling_params(req, default_max_tokens=None if chat else 16, prompt_only=prompt_only)
-        if echo is not None and params.logprobs is not None:
-            params = msgspec.structs.replace(params, prompt_logprobs=params.logprobs)
-        view = Echo(echo, ids, prompt_only, lambda entries, offset: self.logprobs(entries, chat, offset),
-                    self.token_text)
-        caller = request["caller"]
-        salt = caller.cache_salt(req.cache_salt)
-        n, stream = req.n or 1, bool(req.stream)
-        await self.check_health()      # a bad request is answered at once, also while the engine restarts
-        rid = oai.new_id("chatcmpl" if chat else "cmpl")
-        tenant = caller.tenant
-        gens = Merged([self.client.generate(ids, choice_params(params, i), adapter, salt, stream=stream,
-                                            request_id=rid if n == 1 else f"{rid}-{i}",
-                                            tenant="" if tenant is None else tenant.name,
-                                            max_waiting=(tenant.max_waiting or 0) if tenant else 0)
-                       for i in range(n)])
-        if stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await self.stream(request, gens, rid, req.model, chat, usage, adapter, view)
-        start = time.monotonic()
-        done = await collect(gens, lambda out: self.observe(request, adapter, out.finish_reason, start))
-        use = oai.choices_usage([c.final for c in done], prompt_only)
-        choices = [(view.text(c.text, True), finish_reason(c.final.finish_reason),
-                    None if params.logprobs is None else view.logprobs(c.entries, c.prompt_logprobs, 0, True))
-                   for c in done]
-        resp = web.json_response(oai.completion_response(rid, req.model, choices, chat, use))
-        await resp.prepare(request)
-        await resp.write_eof()
-        self.delivered(request, [c.final.finish_reason for c in done])
-        return resp
-
-    def logprobs(self, entries, chat: bool, offset: int) -> dict:
-        piece = self.token_text
-        return oai.chat_logprobs(entries, piece) if chat else oai.completion_logprobs(entries, piece, offset)
-
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
-
-    async def stream(self, request, gens: Merged, rid, model, chat, include_usage, adapter,
-                     view: Echo) -> web.StreamResponse:
-        """Server-sent events: each output of choice i becomes a chunk with index i; usage (summed over
-        the choices) and [DONE] after the last choice finishes."""
-        start = time.monotonic()
-        # the first output decides the status: an engine error before any token is a plain JSON error
-        try:
-            i, out = await gens.__anext__()
-        except BaseException:
-            await gens.aclose()
-            raise
-        resp = await sse.open_stream(request)
-        chunks, last_t, finishes = StreamChunks(len(gens), rid, model, chat, view), None, []
-        try:
-            while True:
-                now = time.monotonic()
-                if last_t is None:
-                    metrics.TTFT.observe(now - start)
-                else:
-                    metrics.ITL.observe(now - last_t)
-                last_t = now
-                chunk = chunks.chunk(i, out)
-                if chunk is not None:
-                    await self.send(resp, sse.event(chunk))
-                if out.finish_reason is not None:
-                    self.observe(request, adapter, out.finish_reason, start)
-                    finishes.append(out.finish_reason)
-                    if chunks.finish(i, out):
-                        break
-                i, out = await gens.__anext__()
-            if include_usage:
-                await self.send(resp, sse.event(chunks.usage()))
-            await self.send(resp, sse.DONE)
-            self.delivered(request, finishes)
-        except EngineError as e:
-            try:
-                await self.send(resp, sse.event(ApiError(e.status, str(e)).body()))
-            except sse.SlowReader:
-                sse.hang_up(request)
-        except sse.SlowReader:
-            metrics.SLOW_READERS.labels("timeout").inc()
-            log.warning("client of %s read nothing for %.0f s; aborting it", rid, self.stream_timeout)
-            sse.hang_up(request)
-        except (ConnectionResetError, asyncio.CancelledError):
-            log.info("client of %s went away; aborting it", rid)
-            raise
-        finally:
-            await gens.aclose()          # aborts the requests in the engine that are still running
-        return resp
-
-    async def send(self, resp: web.StreamResponse, data: bytes) -> None:
-        await sse.send(resp, data, self.stream_timeout)
-
-    def observe(self, request: web.Request, adapter: str | None, finish: str | None, start: float) -> None:
-        metrics.E2E.observe(time.monotonic() - start)
-        metrics.REQUESTS.labels(self.labels(adapter), finish or "none").inc()
-
-    @staticmethod
-    def delivered(request: web.Request, finishes: list) -> None:
-        """The whole answer (every choice) was written to the client: what its tenant's counter counts."""
-        for finish in finishes:
-            metrics.TENANT_REQUESTS.labels(request["caller"].name, finish or "none").inc()
-
     # -- models and adapters ----------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
         """The base model and the adapters, those the caller may use."""
@@ -220,11 +67,11 @@ class OpenAIServer:
         created = int(time.time())
         data = []
         if caller.may_use(None):
-            data.append({"id": st.model, "object": "model", "created": created, "owned_by": "loraplex",
-                         "root": st.model, "parent": None, "max_model_len": st.max_model_len})
-        data += [{"id": a, "object": "model", "created": created, "owned_by": "loraplex", "root": a,
-                  "parent": st.model} for a in st.adapters if caller.may_use(a)]
-        return web.json_response({"object": "list", "data": data})
+            data.append(r.Model(id=st.model, object="model", created=created, owned_by="loraplex", root=st.model,
+                                parent=None, max_model_len=st.max_model_len))
+        data += [r.Model(id=a, object="model", created=created, owned_by="loraplex", root=a, parent=st.model)
+                 for a in st.adapters if caller.may_use(a)]
+        return reply(r.ModelList(object="list", data=data))
 
     @staticmethod
     def require_admin(request: web.Request) -> None:
@@ -233,26 +80,25 @@ class OpenAIServer:
 
     async def load_adapter(self, request: web.Request) -> web.Response:
         self.require_admin(request)
-        req = await self.body(request, LoadLoraRequest)
-        name = req.lora_name
-        await self.check_health()
-        await self.client.load_adapter(name, req.lora_path or "", bool(req.pinned))
-        return web.json_response({"status": "ok", "message": f"adapter {name!r} loaded"})
+        req = await api_requests.read(request, LoadLoraRequest)
+        await self.client.until_healthy()
+        await self.client.load_adapter(req.lora_name, req.lora_path or "", bool(req.pinned))
+        return reply(r.StatusReply(status="ok", message=f"adapter {req.lora_name!r} loaded"))
 
     async def unload_adapter(self, request: web.Request) -> web.Response:
         self.require_admin(request)
-        name = (await self.body(request, UnloadLoraRequest)).lora_name
-        await self.check_health()
+        name = (await api_requests.read(request, UnloadLoraRequest)).lora_name
+        await self.client.until_healthy()
         await self.client.unload_adapter(name)
-        return web.json_response({"status": "ok", "message": f"adapter {name!r} unloaded"})
+        return reply(r.StatusReply(status="ok", message=f"adapter {name!r} unloaded"))
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(self.document)
 
     async def health(self, request: web.Request) -> web.Response:
         if not self.client.healthy:
-            return web.json_response({"status": "engine unavailable"}, status=503)
-        return web.json_response({"status": "ok"})
+            return reply(r.StatusReply(status="engine unavailable"), 503)
+        return reply(r.StatusReply(status="ok"))
 
     async def metrics(self, request: web.Request) -> web.Response:
         from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, multiprocess

@@ -1,10 +1,12 @@
-"""`/openapi.json`: the HTTP API as an OpenAPI 3.1 document, generated from the typed bodies in
-`api_types` (the same types the server decodes requests with)."""
+"""`/openapi.json`: the HTTP API as an OpenAPI 3.1 document, generated from the typed requests
+(`api_requests`, what the server decodes bodies with) and the typed answers (`api_responses`, what it
+encodes and sends)."""
 from __future__ import annotations
 
 import msgspec
 
-from frontends import api_types as t
+from frontends import api_requests as q
+from frontends import api_responses as r
 
 _REF = "#/components/schemas/{name}"
 _ERRORS = {"400": "the request is invalid (the error names the field)", "401": "missing or wrong API key",
@@ -17,12 +19,15 @@ def _json(ref: str, description: str) -> dict:
     return {"description": description, "content": {"application/json": {"schema": {"$ref": ref}}}}
 
 
-def _operation(summary: str, response: str, request: str | None = None, stream: bool = False,
+def _operation(summary: str, response: str, request: str | None = None, chunk: str | None = None,
                errors: tuple[str, ...] = ("400", "401", "404", "429", "503")) -> dict:
     ok = _json(_REF.format(name=response), "success")
-    if stream:
-        ok["content"]["text/event-stream"] = {"schema": {"type": "string"},
-                                              "description": "server-sent events when `stream` is true"}
+    if chunk is not None:
+        ok["content"]["text/event-stream"] = {
+            "schema": {"type": "string", "contentMediaType": "text/event-stream"},
+            "description": f"with `stream` true: server-sent events, each `data:` a {chunk} (JSON), then "
+                           f"`data: [DONE]`; an error after the first event is an ErrorResponse event",
+            "x-event-schema": {"$ref": _REF.format(name=chunk)}}
     op = {"summary": summary, "responses": {"200": ok}}
     for code in errors:
         op["responses"][code] = _json(_REF.format(name="ErrorResponse"), _ERRORS[code])
@@ -34,14 +39,14 @@ def _operation(summary: str, response: str, request: str | None = None, stream: 
 
 def openapi_document(secured: bool) -> dict:
     """The document. secured: the server was started with keys ([auth] or --api-key): /v1/* needs a bearer key."""
-    types = [t.CompletionRequest, t.ChatCompletionRequest, t.LoadLoraRequest, t.UnloadLoraRequest, t.Completion,
-             t.ChatCompletion, t.ModelList, t.StatusReply, t.ErrorResponse]
+    types = [q.CompletionRequest, q.ChatCompletionRequest, q.LoadLoraRequest, q.UnloadLoraRequest, r.Completion,
+             r.ChatCompletion, r.ChatCompletionChunk, r.ModelList, r.StatusReply, r.ErrorResponse]
     _, components = msgspec.json.schema_components(types, ref_template=_REF)
     admin = ("400", "401", "403", "404", "503")
     paths = {
-        "/v1/completions": {"post": _operation("Complete a prompt", "Completion", "CompletionRequest", True)},
+        "/v1/completions": {"post": _operation("Complete a prompt", "Completion", "CompletionRequest", "Completion")},
         "/v1/chat/completions": {"post": _operation("Answer a conversation", "ChatCompletion",
-                                                    "ChatCompletionRequest", True)},
+                                                    "ChatCompletionRequest", "ChatCompletionChunk")},
         "/v1/models": {"get": _operation("The base model and the adapters the caller may use", "ModelList",
                                          errors=("401",))},
         "/v1/load_lora_adapter": {"post": _operation("Load (register) an adapter", "StatusReply",

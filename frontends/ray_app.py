@@ -27,11 +27,13 @@ import json
 import logging
 
 import aiohttp
+import msgspec
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
+from frontends.api_responses import Model, ModelList, StatusReply, encode, error
 from frontends.ray_replica import Directory, replica_deployment
 
 GENERATE = ("/v1/completions", "/v1/chat/completions")
@@ -46,9 +48,12 @@ POLL_TIMEOUT_S = 2.0  # a replica whose /metrics takes longer is left out of tha
 UNAVAILABLE = "replica_unavailable"   # the error code of a replica that could not be reached (and was forgotten)
 
 
-def _error(status: int, message: str, code: str | None = None) -> dict:
-    kind = {503: "service_unavailable", 400: "invalid_request_error"}.get(status, "server_error")
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+def _error(status: int, message: str, code: str | None = None) -> bytes:
+    return encode(error(status, message, code=code))
+
+
+def _json(body: bytes, status: int = 200, headers: dict | None = None) -> Response:
+    return Response(body, status_code=status, headers=headers, media_type="application/json")
 
 
 def _message(data: bytes) -> str:
@@ -137,7 +142,7 @@ class Ingress:
                     return Response(whole, status_code=head["status"], headers=out_headers)
             except Exception:  # noqa: BLE001 - a replica that died or failed before its answer was whole: once more
                 if attempt == 1:
-                    return JSONResponse(_error(503, "no replica could serve this request"), status_code=503)
+                    return _json(_error(503, "no replica could serve this request"), 503)
                 await asyncio.sleep(0.2)
                 continue
             return StreamingResponse(self._rest(gen, head), status_code=head["status"], headers=out_headers)
@@ -154,7 +159,7 @@ class Ingress:
                 yield chunk
         except Exception:  # noqa: BLE001 - the replica died mid-answer: say so, in the stream's own terms
             if head["headers"].get("Content-Type", "").startswith("text/event-stream"):
-                yield b"data: " + json.dumps(_error(503, "the replica serving this stream failed")).encode() + b"\n\n"
+                yield b"data: " + _error(503, "the replica serving this stream failed") + b"\n\n"
 
     # -- every replica --------------------------------------------------------------------------------------
     async def _each(self, method: str, path: str, headers: dict, body: bytes | None, forget: bool = True,
@@ -176,11 +181,11 @@ class Ingress:
                 async with self.session.request(method, url + path, headers=headers, data=body, **limit) as r:
                     return name, r.status, await r.read()
             except asyncio.TimeoutError:        # slow, not gone: never forgotten for it
-                return name, 503, json.dumps(_error(503, f"replica {name} did not answer in time")).encode()
+                return name, 503, _error(503, f"replica {name} did not answer in time")
             except aiohttp.ClientError:
                 if forget:
                     await self.directory.forget.remote(name)  # gone (replaced by Ray Serve): forget it
-                return name, 503, json.dumps(_error(503, f"replica {name} is unavailable", UNAVAILABLE)).encode()
+                return name, 503, _error(503, f"replica {name} is unavailable", UNAVAILABLE)
         return list(await asyncio.gather(*(one(n, info["url"]) for n, info in replicas.items())))
 
     async def everywhere(self, method: str, path: str, headers: dict, body: bytes) -> Response:
@@ -191,7 +196,7 @@ class Ingress:
         reached is forgotten (its replacement gets the set), not counted as refusing."""
         answers = await self._each(method, path, headers, body)
         if not answers:
-            return JSONResponse(_error(503, "no replica is up"), status_code=503)
+            return _json(_error(503, "no replica is up"), 503)
         load = path == BROADCAST[0]
         took = [a for a in answers if a[1] == 200]
         refused = [a for a in answers if a[1] != 200 and not _unreachable(a[2])
@@ -210,7 +215,7 @@ class Ingress:
             elif not load and took:
                 msg += f"; unloaded on {', '.join(a[0] for a in took)} (unload again to retry)"
             log.warning("%s %s: %s", path, req.get("lora_name"), msg)
-            return JSONResponse(_error(status, msg), status_code=status, headers={HEADER: ",".join(a[0] for a in took)})
+            return _json(_error(status, msg), status, {HEADER: ",".join(a[0] for a in took)})
         if load:
             await self.directory.note_load.remote(req["lora_name"], req)
         else:
@@ -223,21 +228,21 @@ class Ingress:
         answers = await self._each("GET", "/v1/models", headers, None)
         ok = [a for a in answers if a[1] == 200]
         if not ok:
-            name, status, data = answers[0] if answers else ("", 503, json.dumps(_error(503, "no replica")).encode())
+            name, status, data = answers[0] if answers else ("", 503, _error(503, "no replica"))
             return Response(data, status_code=status, media_type="application/json")
-        seen: dict[str, dict] = {}       # id -> its entry, with the replicas that list it
+        seen: dict[str, Model] = {}       # id -> its entry, with the replicas that list it
         for name, _, raw in ok:
-            for m in json.loads(raw)["data"]:
-                seen.setdefault(m["id"], {**m, "replicas": []})["replicas"].append(name)
-        return JSONResponse({"object": "list", "data": list(seen.values())},
-                            headers={HEADER: ",".join(a[0] for a in ok)})
+            for m in msgspec.json.decode(raw, type=ModelList).data:
+                seen.setdefault(m.id, msgspec.structs.replace(m, replicas=[])).replicas.append(name)
+        return _json(encode(ModelList(object="list", data=list(seen.values()))),
+                     headers={HEADER: ",".join(a[0] for a in ok)})
 
     async def health(self) -> Response:
         answers = await self._each("GET", "/health", {}, None)
         up = [a[0] for a in answers if a[1] == 200]
         status = 200 if answers and len(up) == len(answers) else 503
-        return JSONResponse({"status": "ok" if status == 200 else "degraded", "replicas": len(answers), "up": len(up)},
-                            status_code=status, headers={HEADER: ",".join(up)})
+        reply = StatusReply(status="ok" if status == 200 else "degraded", replicas=len(answers), up=len(up))
+        return _json(encode(reply), status, {HEADER: ",".join(up)})
 
     async def metrics(self, headers: dict) -> Response:
         """Each replica's Prometheus text, every sample labelled with its replica. The caller's key goes to

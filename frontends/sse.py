@@ -3,9 +3,9 @@ SlowReader and is hung up on; the kernel's send buffer for the response is pinne
 from __future__ import annotations
 
 import asyncio
-import json
 import socket
 
+import msgspec
 from aiohttp import web
 
 STREAM_SNDBUF = 64 << 10     # bytes the kernel holds for one streamed response (no autotuning to megabytes)
@@ -25,8 +25,9 @@ async def open_stream(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-def event(body: dict) -> bytes:
-    return b"data: " + json.dumps(body).encode() + b"\n\n"
+def event(body: msgspec.Struct) -> bytes:
+    """One event whose data is an answer struct (api_responses), as JSON."""
+    return b"data: " + msgspec.json.encode(body) + b"\n\n"
 
 
 async def send(resp: web.StreamResponse, data: bytes, timeout: float) -> None:

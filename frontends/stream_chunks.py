@@ -1,10 +1,8 @@
-"""The chunks of one streamed answer (OpenAI's `*.chunk` objects) from the outputs of its `n` choices."""
+"""The chunks of one streamed answer (OpenAI's chunk objects) from the outputs of its `n` choices."""
 from __future__ import annotations
 
-import time
-
-from frontends import openai_protocol as oai
-from frontends.echo import Echo
+from frontends.choices import choices_usage
+from frontends.echo import Plain
 
 
 def finish_reason(reason: str | None) -> str | None:
@@ -14,14 +12,15 @@ def finish_reason(reason: str | None) -> str | None:
 
 class StreamChunks:
     """Per choice: whether its first chunk went out (it carries the role, and the prompt under echo), how
-    many characters of text it has sent (the logprobs' text offsets), and its final output.
+    many characters of text it has sent (the logprobs' text offsets), and its final output. The chunk
+    structs come from the endpoint (`chunk`, `usage_chunk`: frontends/generation_endpoint.py).
     Invariant: a choice's chunks are built in the order of its outputs."""
 
-    def __init__(self, n: int, rid: str, model: str, chat: bool, view: Echo):
-        self.rid, self.model, self.chat, self.view = rid, model, chat, view
+    def __init__(self, n: int, rid: str, model: str, endpoint, view: Plain):
+        self.rid, self.model, self.endpoint, self.view = rid, model, endpoint, view
         self.started, self.sent, self.finals = [False] * n, [0] * n, [None] * n
 
-    def chunk(self, i: int, out) -> dict | None:
+    def chunk(self, i: int, out):
         """The chunk for output `out` of choice i (None: it has nothing to show)."""
         first = not self.started[i]
         if not (out.text or out.finish_reason or first or out.logprobs):
@@ -29,8 +28,8 @@ class StreamChunks:
         view, lps = self.view, None
         if out.logprobs or (first and out.prompt_logprobs is not None):
             lps = view.logprobs(out.logprobs, out.prompt_logprobs, self.sent[i], first)
-        chunk = oai.completion_chunk(self.rid, self.model, view.text(out.text, first), finish_reason(out.finish_reason),
-                                     self.chat, first=first, logprobs=lps, index=i)
+        chunk = self.endpoint.chunk(self.rid, self.model, i, view.text(out.text, first),
+                                    finish_reason(out.finish_reason), first, lps)
         self.started[i] = True
         if first and view.prompt is not None:
             self.sent[i] += len(view.prompt)
@@ -42,8 +41,6 @@ class StreamChunks:
         self.finals[i] = out
         return all(f is not None for f in self.finals)
 
-    def usage(self) -> dict:
+    def usage(self):
         """The closing chunk with the usage summed over the choices (after every choice finished)."""
-        use = oai.choices_usage(self.finals, self.view.prompt_only)
-        return {"id": self.rid, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": int(time.time()), "model": self.model, "choices": [], "usage": use}
+        return self.endpoint.usage_chunk(self.rid, self.model, choices_usage(self.finals, self.view.prompt_only))

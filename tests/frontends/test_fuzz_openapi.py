@@ -1,7 +1,8 @@
 """Schemathesis against the real processes: cases generated from `/openapi.json` (valid and invalid
 bodies), at least 2,000 in all (LORAPLEX_FUZZ_SCALE=N: N times as many, for a longer hunt). No answer is
-a 5xx; every error is in OpenAI's error shape; every success decodes strictly into the response type the
-document declares; the server is healthy afterwards."""
+a 5xx; every error is in OpenAI's error shape; every success, and every event of a stream, is exactly
+the response type the document declares (it decodes strictly into it, and encoding that gives back the same
+JSON: no field the document lacks); the server is healthy afterwards."""
 from __future__ import annotations
 
 import collections
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from schemathesis.core.transport import STREAM_CUT_SHORT_ATTRIBUTE
 from schemathesis.generation import GenerationMode
 
-from frontends import api_types
+from frontends import api_responses as r
 from tests.frontends.server_fixture import Server
 
 KEY = "sk-fuzz"
@@ -27,9 +28,10 @@ PER_OPERATION = {op: n * SCALE for op, n in {"POST /v1/completions": 300, "POST 
                                                "POST /v1/load_lora_adapter": 200,
                                                "POST /v1/unload_lora_adapter": 200}.items()}
 # per generation mode; the GETs take no input: 5 each
-RESPONSE = {"/v1/completions": api_types.Completion, "/v1/chat/completions": api_types.ChatCompletion,
-            "/v1/models": api_types.ModelList, "/v1/load_lora_adapter": api_types.StatusReply,
-            "/v1/unload_lora_adapter": api_types.StatusReply, "/health": api_types.StatusReply}
+RESPONSE = {"/v1/completions": r.Completion, "/v1/chat/completions": r.ChatCompletion,
+            "/v1/models": r.ModelList, "/v1/load_lora_adapter": r.StatusReply,
+            "/v1/unload_lora_adapter": r.StatusReply, "/health": r.StatusReply}
+EVENT = {"/v1/completions": r.Completion, "/v1/chat/completions": r.ChatCompletionChunk}
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,7 @@ def check_answer(case, resp, seen: collections.Counter) -> None:
     what = f"{case.method} {case.path} {case.body!r:.3000} -> {resp.status_code} {text[:300]} ... {text[-300:]}"
     assert resp.status_code < 500, what
     if resp.status_code >= 400:
-        err = msgspec.json.decode(resp.content, type=api_types.ErrorResponse).error
+        err = msgspec.json.decode(resp.content, type=r.ErrorResponse).error
         assert err.message and err.type, what
         REASONS[(case.path, resp.status_code, err.param, err.message[:50])] += 1
         return
@@ -60,11 +62,18 @@ def check_answer(case, resp, seen: collections.Counter) -> None:
         # NOTE: schemathesis stops reading a stream after 20 events (its max_stream_events) and marks it
         cut_short = getattr(resp, STREAM_CUT_SHORT_ATTRIBUTE, False)
         assert cut_short or events[-1] == "[DONE]", what
-        for event in events:
-            assert event == "[DONE]" or "choices" in json.loads(event), what
+        for event in events[:-1] if events[-1] == "[DONE]" else events:
+            body = json.loads(event)
+            assert_exactly(event.encode(), r.ErrorResponse if "error" in body else EVENT[case.path], what)
         return
     if case.path in RESPONSE:
-        msgspec.json.decode(resp.content, type=RESPONSE[case.path])
+        assert_exactly(resp.content, RESPONSE[case.path], what)
+
+
+def assert_exactly(raw: bytes, type_: type, what: str) -> None:
+    """raw is a `type_`: it decodes strictly into it, and nothing it has is left out of it."""
+    decoded = msgspec.json.decode(raw, type=type_)
+    assert json.loads(msgspec.json.encode(decoded)) == json.loads(raw), what
 
 
 def test_fuzz_every_route_from_the_openapi_document(fuzz_server):
@@ -95,6 +104,6 @@ def test_fuzz_every_route_from_the_openapi_document(fuzz_server):
     print("most common errors:", REASONS.most_common(12))
     assert seen[2] > 100 and seen[4] > 500, seen     # both valid and invalid requests were exercised
     assert requests.get(fuzz_server.url + "/health", timeout=10).status_code == 200
-    r = requests.post(fuzz_server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                      json={"model": "tiny-r5", "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}, timeout=30)
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    resp = requests.post(fuzz_server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                         json={"model": "tiny-r5", "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}, timeout=30)
+    assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3

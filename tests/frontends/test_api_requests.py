@@ -1,10 +1,11 @@
-"""The typed request bodies: what a 400 says (the field, the rule, the path) and that the OpenAPI document
-is made from the same types."""
+"""The typed request bodies (api_requests): what a 400 says (the field, the rule, the path) and that the
+OpenAPI document is made from the same types (and the answers' from api_responses)."""
 from __future__ import annotations
 
 import pytest
 
-from frontends import api_types as t
+from frontends import api_requests as t
+from frontends import api_responses as r
 from frontends.openapi import openapi_document
 
 
@@ -54,3 +55,14 @@ def test_the_document_is_generated_from_the_request_types():
     assert set(schemas["CompletionRequest"]["properties"]) == fields
     assert schemas["CompletionRequest"]["properties"]["n"]["anyOf"][0]["maximum"] == t.MAX_CHOICES
     assert doc["security"] == [{"bearer": []}] and "security" not in openapi_document(secured=False)
+
+
+def test_the_document_declares_the_answer_structs_the_server_sends():
+    doc = openapi_document(secured=False)
+    schemas = doc["components"]["schemas"]
+    chat = doc["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
+    assert chat["application/json"]["schema"] == {"$ref": "#/components/schemas/ChatCompletion"}
+    assert chat["text/event-stream"]["x-event-schema"] == {"$ref": "#/components/schemas/ChatCompletionChunk"}
+    for struct in (r.Completion, r.ChatCompletion, r.ChatCompletionChunk, r.ModelList, r.StatusReply):
+        assert set(schemas[struct.__name__]["properties"]) == set(struct.__struct_fields__)
+    assert schemas["ChatChoice"]["properties"]["logprobs"]["anyOf"][0] == {"$ref": "#/components/schemas/ChatLogprobs"}

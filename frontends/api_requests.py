@@ -1,11 +1,11 @@
-"""The typed bodies of the HTTP API: what the server decodes requests with and what `/openapi.json`
-is generated from (`frontends/openapi.py`), so the document and the validation cannot drift.
+"""The typed request bodies of the HTTP API: what the server decodes requests with and what `/openapi.json`
+is generated from (`frontends/openapi.py`), so the document and the validation cannot drift. (The answers
+are typed in `api_responses.py`.)
 
 Requests are decoded with `decode(raw, type)`: a wrong type, a missing field or a value out of a declared
 range is a 400 naming the field. Fields a client may send as `null` mean "the default". Unknown fields are
 ignored (OpenAI clients send some this server has no use for); fields of OpenAI's API that the server does
-not implement are declared loosely so that the server can refuse them by name (`openai_protocol.UNSUPPORTED`).
-Responses are declared for the document; the fuzz test checks that what the server sends matches them.
+not implement are declared loosely so that the server can refuse them by name (`request_fields.UNSUPPORTED`).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, Union
 import msgspec
 from msgspec import Meta
 
+from frontends.api_error import ApiError
 from ipc.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
 MAX_CHOICES = 16
@@ -26,7 +27,7 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool | None = None
 
 
-class _Generation(msgspec.Struct, kw_only=True):
+class Generation(msgspec.Struct, kw_only=True):
     """Fields shared by completions and chat completions (OpenAI's, plus vLLM's sampling extensions)."""
     model: Annotated[str, Meta(min_length=1, description="the base model's name or an adapter's name")]
     max_tokens: Annotated[int, Meta(ge=0, le=2 ** 63 - 1)] | None = None
@@ -63,7 +64,7 @@ class _Generation(msgspec.Struct, kw_only=True):
     guided_grammar: Any = None
 
 
-class CompletionRequest(_Generation, kw_only=True):
+class CompletionRequest(Generation, kw_only=True):
     """POST /v1/completions. `prompt`: a string, one string in an array, or an array of token ids."""
     prompt: Union[str, list[Union[TokenId, str]]]
     echo: bool | None = None
@@ -81,7 +82,7 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     name: str | None = None
 
 
-class ChatCompletionRequest(_Generation, kw_only=True):
+class ChatCompletionRequest(Generation, kw_only=True):
     """POST /v1/chat/completions."""
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     logprobs: bool | None = None
@@ -99,82 +100,6 @@ class LoadLoraRequest(msgspec.Struct, kw_only=True):
 class UnloadLoraRequest(msgspec.Struct, kw_only=True):
     """POST /v1/unload_lora_adapter (admin)."""
     lora_name: str
-
-
-# -- responses (for the document; the server builds them as plain JSON) ---------------------------------
-class ErrorDetail(msgspec.Struct, kw_only=True):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorResponse(msgspec.Struct, kw_only=True):
-    """Every error, in OpenAI's shape."""
-    error: ErrorDetail
-
-
-class Usage(msgspec.Struct, kw_only=True):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: dict[str, int] | None = None
-
-
-class CompletionChoice(msgspec.Struct, kw_only=True):
-    index: int
-    text: str
-    finish_reason: str | None
-    logprobs: dict[str, Any] | None
-
-
-class _Answer(msgspec.Struct, kw_only=True):
-    id: str
-    created: int
-    model: str
-    usage: Usage
-
-
-class Completion(_Answer, kw_only=True):
-    object: Literal["text_completion"]
-    choices: list[CompletionChoice]
-
-
-class AssistantMessage(msgspec.Struct, kw_only=True):
-    role: Literal["assistant"]
-    content: str
-
-
-class ChatChoice(msgspec.Struct, kw_only=True):
-    index: int
-    message: AssistantMessage
-    finish_reason: str | None
-    logprobs: dict[str, Any] | None
-
-
-class ChatCompletion(_Answer, kw_only=True):
-    object: Literal["chat.completion"]
-    choices: list[ChatChoice]
-
-
-class Model(msgspec.Struct, kw_only=True):
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-    root: str
-    parent: str | None
-    max_model_len: int | None = None
-
-
-class ModelList(msgspec.Struct, kw_only=True):
-    object: Literal["list"]
-    data: list[Model]
-
-
-class StatusReply(msgspec.Struct, kw_only=True):
-    status: str
-    message: str | None = None
 
 
 class DecodeFailure(ValueError):
@@ -219,3 +144,12 @@ def _failure(text: str) -> DecodeFailure:
     if text.startswith("Expected `object`"):
         return DecodeFailure("the request body must be a JSON object", None)
     return DecodeFailure(f"invalid request: {text}", None)
+
+
+async def read(request, type_: type):
+    """An aiohttp request's body as its typed request: strict JSON (no NaN or Infinity), valid UTF-8 (no
+    lone surrogates), every field of its declared type and range; ApiError 400 naming the field otherwise."""
+    try:
+        return decode(await request.read(), type_)
+    except DecodeFailure as e:
+        raise ApiError(400, e.message, e.param) from None

@@ -1,0 +1,186 @@
+"""One generation route of OpenAI's API, the flow both share: read the typed body, tokenize the prompt,
+check it, send its `n` choices to the engine, and answer whole or as server-sent events.
+`CompletionsEndpoint` and `ChatEndpoint` say what differs: the request type, the prompt, the logprobs'
+shape and the answer and chunk structs (api_responses), which is what goes on the wire."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import msgspec
+from aiohttp import web
+
+from engine import metrics
+from frontends import api_requests, request_fields, sse
+from frontends.api_error import ApiError
+from frontends.api_requests import Generation
+from frontends.api_responses import Usage, encode
+from frontends.choices import Merged, choice_params, choices_usage, collect
+from frontends.echo import Plain
+from frontends.engine_client import AsyncEngineClient, EngineError
+from frontends.error_middleware import no_such_model
+from frontends.stream_chunks import StreamChunks, finish_reason
+
+log = logging.getLogger("loraplex.http")
+
+
+class GenerationEndpoint(ABC):
+    """An aiohttp handler (`await endpoint(request)`) for one generation route."""
+    request_type: ClassVar[type[Generation]]
+    id_prefix: ClassVar[str]                      # of the answer's id: "cmpl", "chatcmpl"
+    prompt_field: ClassVar[str]                   # the request field a length error names
+    default_max_tokens: ClassVar[int | None]      # without max_tokens (None: up to the context)
+    refused: ClassVar[dict[str, tuple]]           # unsupported fields -> the values meaning off
+
+    def __init__(self, client: AsyncEngineClient, tokenizer, labels: metrics.AdapterLabels, stream_timeout: float):
+        self.client, self.tokenizer, self.labels, self.stream_timeout = client, tokenizer, labels, stream_timeout
+
+    # -- what differs ----------------------------------------------------------------------------------
+    @abstractmethod
+    def prompt(self, req) -> tuple[list[int], str | None]:
+        """The prompt's token ids, and the text to echo before the answer (None: no echo)."""
+
+    @abstractmethod
+    def logprobs_count(self, req) -> int | None:
+        """Alternatives per token to report (0: the token's own logprob only), or None for no logprobs."""
+
+    @abstractmethod
+    def format_logprobs(self, entries: list, offset: int):
+        """A choice's logprobs object for these tokens; offset: characters of its text before them."""
+
+    @abstractmethod
+    def answer(self, rid: str, model: str, choices: list[tuple], usage: Usage):
+        """The whole answer; choices: (text, finish_reason, logprobs or None) per choice, in index order."""
+
+    @abstractmethod
+    def chunk(self, rid: str, model: str, index: int, text: str, finish: str | None, first: bool, logprobs):
+        """One event of a streamed answer: what choice `index` adds (first: its first event)."""
+
+    @abstractmethod
+    def usage_chunk(self, rid: str, model: str, usage: Usage):
+        """The last event of a stream with `stream_options.include_usage`: no choices, the usage."""
+
+    def view(self, ids: list[int], echo: str | None, prompt_only: bool) -> Plain:
+        """How a choice's text and logprobs are shown (completions override it for echo)."""
+        return Plain(self.format_logprobs, self.token_text)
+
+    # -- the flow ---------------------------------------------------------------------------------------
+    async def __call__(self, request: web.Request) -> web.StreamResponse:
+        req = await api_requests.read(request, self.request_type)
+        ids, echo = self.prompt(req)
+        adapter = self.adapter_for(request, req.model)
+        prompt_only = request_fields.check_length(req, len(ids), self.client.status.max_model_len,
+                                                  self.prompt_field, echo is not None)
+        request_fields.refuse_unsupported(req, self.refused)
+        params = request_fields.sampling_params(req, self.logprobs_count(req), self.default_max_tokens, prompt_only)
+        if echo is not None and params.logprobs is not None:
+            params = msgspec.structs.replace(params, prompt_logprobs=params.logprobs)
+        view = self.view(ids, echo, prompt_only)
+        caller = request["caller"]
+        salt = caller.cache_salt(req.cache_salt)
+        n, stream = req.n or 1, bool(req.stream)
+        await self.client.until_healthy()    # a bad request is answered at once, also while the engine restarts
+        rid = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        tenant = caller.tenant
+        gens = Merged([self.client.generate(ids, choice_params(params, i), adapter, salt, stream=stream,
+                                            request_id=rid if n == 1 else f"{rid}-{i}",
+                                            tenant="" if tenant is None else tenant.name,
+                                            max_waiting=(tenant.max_waiting or 0) if tenant else 0)
+                       for i in range(n)])
+        if stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            return await self.stream(request, gens, rid, req.model, usage, adapter, view)
+        return await self.whole(request, gens, rid, req.model, adapter, view, params.logprobs is not None)
+
+    def adapter_for(self, request: web.Request, model: str) -> str | None:
+        """The adapter `model` names (None: the base model), if the caller may use it; the same 404 as for
+        a model that does not exist otherwise."""
+        request["model"] = model
+        adapter = None if model == self.client.status.model else model
+        if not request["caller"].may_use(adapter):
+            raise ApiError(404, no_such_model(model), "model", "model_not_found")
+        return adapter
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    async def whole(self, request, gens: Merged, rid: str, model: str, adapter, view: Plain,
+                    logprobs: bool) -> web.Response:
+        """The non-streamed answer, once every choice has finished."""
+        start = time.monotonic()
+        done = await collect(gens, lambda out: self.observe(adapter, out.finish_reason, start))
+        use = choices_usage([c.final for c in done], view.prompt_only)
+        choices = [(view.text(c.text, True), finish_reason(c.final.finish_reason),
+                    view.logprobs(c.entries, c.prompt_logprobs, 0, True) if logprobs else None) for c in done]
+        resp = web.Response(body=encode(self.answer(rid, model, choices, use)), content_type="application/json")
+        await resp.prepare(request)
+        await resp.write_eof()
+        self.delivered(request, [c.final.finish_reason for c in done])
+        return resp
+
+    async def stream(self, request, gens: Merged, rid: str, model: str, include_usage: bool, adapter,
+                     view: Plain) -> web.StreamResponse:
+        """Server-sent events: each output of choice i becomes a chunk with index i; usage (summed over
+        the choices) and [DONE] after the last choice finishes."""
+        start = time.monotonic()
+        # the first output decides the status: an engine error before any token is a plain JSON error
+        try:
+            i, out = await gens.__anext__()
+        except BaseException:
+            await gens.aclose()
+            raise
+        resp = await sse.open_stream(request)
+        chunks, last_t, finishes = StreamChunks(len(gens), rid, model, self, view), None, []
+        try:
+            while True:
+                now = time.monotonic()
+                if last_t is None:
+                    metrics.TTFT.observe(now - start)
+                else:
+                    metrics.ITL.observe(now - last_t)
+                last_t = now
+                chunk = chunks.chunk(i, out)
+                if chunk is not None:
+                    await self.send(resp, sse.event(chunk))
+                if out.finish_reason is not None:
+                    self.observe(adapter, out.finish_reason, start)
+                    finishes.append(out.finish_reason)
+                    if chunks.finish(i, out):
+                        break
+                i, out = await gens.__anext__()
+            if include_usage:
+                await self.send(resp, sse.event(chunks.usage()))
+            await self.send(resp, sse.DONE)
+            self.delivered(request, finishes)
+        except EngineError as e:
+            try:
+                await self.send(resp, sse.event(ApiError(e.status, str(e)).response()))
+            except sse.SlowReader:
+                sse.hang_up(request)
+        except sse.SlowReader:
+            metrics.SLOW_READERS.labels("timeout").inc()
+            log.warning("client of %s read nothing for %.0f s; aborting it", rid, self.stream_timeout)
+            sse.hang_up(request)
+        except (ConnectionResetError, asyncio.CancelledError):
+            log.info("client of %s went away; aborting it", rid)
+            raise
+        finally:
+            await gens.aclose()          # aborts the requests in the engine that are still running
+        return resp
+
+    async def send(self, resp: web.StreamResponse, data: bytes) -> None:
+        await sse.send(resp, data, self.stream_timeout)
+
+    def observe(self, adapter: str | None, finish: str | None, start: float) -> None:
+        metrics.E2E.observe(time.monotonic() - start)
+        metrics.REQUESTS.labels(self.labels(adapter), finish or "none").inc()
+
+    @staticmethod
+    def delivered(request: web.Request, finishes: list) -> None:
+        """The whole answer (every choice) was written to the client: what its tenant's counter counts."""
+        for finish in finishes:
+            metrics.TENANT_REQUESTS.labels(request["caller"].name, finish or "none").inc()
