@@ -37,6 +37,12 @@ def api_key() -> str | None:
     return os.environ.get("LORAPLEX_API_KEY") or None
 
 
+def ingress_metrics_key() -> str | None:
+    """The key the Ray Serve ingress reads a replica's /metrics with (its load poll), set by the replica
+    deployment: it opens /metrics and nothing else, and leaves /metrics open when no key is configured."""
+    return os.environ.get("LORAPLEX_INGRESS_METRICS_KEY") or None
+
+
 def auth_config() -> dict | None:
     """The `[auth]` table of the config file, as JSON in $LORAPLEX_AUTH (set by `loraplex serve`)."""
     import json

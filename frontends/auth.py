@@ -66,6 +66,7 @@ class Auth:
     admin_keys: tuple[str, ...] = ()
     tenants: tuple[Tenant, ...] = ()
     metrics_keys: tuple[str, ...] = ()   # keys that may read /metrics and nothing else (a Prometheus scraper)
+    ingress_key: str | None = None       # the Ray ingress's load poll: /metrics only, and closes nothing
     _by_key: dict[str, Caller] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
@@ -95,12 +96,13 @@ class Auth:
 
     def metrics_access(self, authorization: str) -> int:
         """Who may read /metrics, which names adapters and tenants: everyone when no key is configured;
-        else an admin key or a metrics key (200), no or an unknown key (401), a tenant's key (403)."""
+        else an admin key or a metrics key (200), no or an unknown key (401), a tenant's key (403). The
+        ingress key is let in always, and alone closes nothing."""
         if not self.enabled and not self.metrics_keys:
             return 200
         scheme, _, key = authorization.partition(" ")
-        if scheme == "Bearer" and key and any(hmac.compare_digest(k.encode(), key.strip().encode())
-                                              for k in self.metrics_keys):
+        readers = self.metrics_keys + ((self.ingress_key,) if self.ingress_key else ())
+        if scheme == "Bearer" and key and any(hmac.compare_digest(k.encode(), key.strip().encode()) for k in readers):
             return 200
         caller = self.caller(authorization) if self.enabled else None
         if caller is None:
@@ -118,9 +120,9 @@ def _strings(value, where: str) -> tuple[str, ...]:
     return tuple(value)
 
 
-def parse_auth(table: dict | None, api_key: str | None = None) -> Auth:
-    """The `[auth]` table of the config file (None: absent), plus `--api-key` as one more admin key.
-    ValueError naming the setting that is wrong."""
+def parse_auth(table: dict | None, api_key: str | None = None, ingress_key: str | None = None) -> Auth:
+    """The `[auth]` table of the config file (None: absent), plus `--api-key` as one more admin key and the
+    Ray ingress's metrics key (envs.ingress_metrics_key). ValueError naming the setting that is wrong."""
     table = dict(table or {})
     admin = _strings(table.pop("admin_keys", []), "auth.admin_keys")
     metrics = _strings(table.pop("metrics_keys", []), "auth.metrics_keys")
@@ -149,4 +151,4 @@ def parse_auth(table: dict | None, api_key: str | None = None) -> Auth:
         raise ValueError(f"auth: unknown setting(s) {', '.join(sorted(table))}")
     if len({t.name for t in tenants}) != len(tenants):
         raise ValueError("auth.tenants: names must be distinct")
-    return Auth(admin + ((api_key,) if api_key else ()), tuple(tenants), metrics)
+    return Auth(admin + ((api_key,) if api_key else ()), tuple(tenants), metrics, ingress_key)

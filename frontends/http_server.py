@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-buffer", type=int, default=MAX_BUFFERED)
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
     args = p.parse_args(argv)
-    auth = parse_auth(envs.auth_config(), envs.api_key())
+    auth = parse_auth(envs.auth_config(), envs.api_key(), envs.ingress_metrics_key())
     logging.basicConfig(level=envs.log_level(),
                         format=f"%(asctime)s {args.frontend_id} %(levelname)s %(message)s")
     import uvloop

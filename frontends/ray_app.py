@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 
 import aiohttp
 import msgspec
@@ -73,8 +74,10 @@ def _unreachable(data: bytes) -> bool:
 @serve.deployment(max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
 class Ingress:
     def __init__(self, replicas: DeploymentHandle, directory: DeploymentHandle, routing: str = "adapter",
-                 load_bound: float = LOAD_BOUND):
+                 load_bound: float = LOAD_BOUND, poll_key: str | None = None):
+        """poll_key: the key the replicas let read /metrics for the load poll (whatever keys they have)."""
         self.replicas, self.directory, self.routing, self.load_bound = replicas, directory, routing, load_bound
+        self.poll_headers = {"Authorization": f"Bearer {poll_key}"} if poll_key else {}
         self.session: aiohttp.ClientSession | None = None
         self.base: set[str] = set()         # the base model's name(s): requests for it carry no adapter
         self.where: dict[str, str] = {}     # adapter -> the replica that served its last affinity-routed request
@@ -124,8 +127,11 @@ class Ingress:
     async def _poll_loads(self) -> None:
         while True:
             try:
-                answers = await self._each("GET", "/metrics", {}, None, forget=False, timeout=POLL_TIMEOUT_S)
+                answers = await self._each("GET", "/metrics", self.poll_headers, None, forget=False,
+                                           timeout=POLL_TIMEOUT_S)
                 self.load = {name: replica_load(raw.decode()) for name, status, raw in answers if status == 200}
+                if any(status in (401, 403) for _, status, _ in answers):
+                    log.warning("ingress: a replica refused the load poll's key: its load is unknown")
             except Exception:  # noqa: BLE001 - a slow or failing poll must not end the polling
                 log.warning("ingress: reading the replicas' loads failed", exc_info=True)
             await asyncio.sleep(POLL_S)
@@ -280,11 +286,13 @@ def build_app(serve_args: list[str], replicas: int, max_adapters: int = 64, gpus
               routing: str = "adapter", load_bound: float = LOAD_BOUND):
     """The application: `replicas` engine replicas, each `loraplex serve <serve_args>`. routing "random":
     ignore adapters (Ray's default router: the less loaded of two random replicas), for comparison;
-    load_bound: see Ingress (0: affinity whatever the load)."""
+    load_bound: see Ingress (0: affinity whatever the load). The ingress polls the replicas' loads with a
+    key made here, which each replica's server lets read /metrics and nothing else."""
+    poll_key = "sk-ingress-" + secrets.token_urlsafe(24)
     directory = Directory.bind()
-    engines = replica_deployment(max_adapters, gpus_per_replica).options(num_replicas=replicas).bind(serve_args,
-                                                                                                     directory)
-    return Ingress.bind(engines, directory, routing, load_bound)
+    engines = replica_deployment(max_adapters, gpus_per_replica).options(num_replicas=replicas).bind(
+        serve_args, directory, poll_key)
+    return Ingress.bind(engines, directory, routing, load_bound, poll_key)
 
 
 def app_builder(args: dict):

@@ -57,11 +57,13 @@ class _Replica:
     """One loraplex server per replica (see the module doc). Subclassed by `replica_deployment` to fix
     Ray Serve's per-replica adapter bound."""
 
-    async def __init__(self, serve_args: list[str], directory: DeploymentHandle):
+    async def __init__(self, serve_args: list[str], directory: DeploymentHandle, ingress_key: str | None = None):
+        """ingress_key: the key the ingress polls this replica's /metrics with (envs.ingress_metrics_key)."""
         self.name = serve.get_replica_context().replica_id.unique_id
         host = os.environ.get("LORAPLEX_REPLICA_HOST", "127.0.0.1")
+        env = dict(os.environ, **({"LORAPLEX_INGRESS_METRICS_KEY": ingress_key} if ingress_key else {}))
         self.proc = subprocess.Popen([sys.executable, "-m", "frontends.cli", "serve", "--host", host, "--port", "0",
-                                      "--frontends", "1", *serve_args], stdout=subprocess.PIPE,
+                                      "--frontends", "1", *serve_args], stdout=subprocess.PIPE, env=env,
                                      stderr=subprocess.STDOUT, text=True, preexec_fn=die_with_parent())
         info = await asyncio.get_running_loop().run_in_executor(None, self._wait_ready)
         self.url, self.model = info["url"], info["model"]

@@ -1,12 +1,15 @@
 """The sampler: greedy rows, the sampled distribution, top-k / top-p support, seeds."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from engine.sampler import History, Sampler, _invert_cdf, process_logits, seeded_uniform
 from ipc.sampling_params import SamplingParams
 
+DEVICE = torch.device(os.environ.get("LORAPLEX_TEST_DEVICE", "cpu"))     # make gpu-check: cuda
 LOGITS = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0, 0.0]) + 1e-30)
 
 
@@ -166,3 +169,18 @@ def test_a_resumed_request_counts_its_earlier_output_for_penalties_not_for_min_t
     resumed = History([0], [2, 2], (1,), generated=0)             # two earlier tokens, none generated here
     assert process_logits(logits, [p], [resumed])[0, 2] == 1.0    # 3.0 - 2 x 1.0
     assert Sampler(0).sample(logits, [p], [0], [resumed]) == [3]   # EOS held back, 2 penalized
+
+
+@pytest.mark.skipif(DEVICE.type == "cpu", reason="compares the test device with the host: make gpu-check "
+                                                 "(LORAPLEX_TEST_DEVICE=cuda)")
+def test_seeded_tokens_on_the_device_are_the_hosts():
+    """The same logits and seeds give the same tokens on the device as on the host: the draws are made on
+    the host (seeded_uniform) and the cut-offs (temperature, top-k, top-p) do not depend on the device."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 4096, generator=gen) * 3
+    params = [SamplingParams(temperature=(0.5, 1.0, 1.3)[i % 3], top_p=(1.0, 0.9, 0.7)[i % 3],
+                             top_k=(-1, 50, 400)[i % 3], seed=1000 + i) for i in range(64)]
+    for k in (0, 1, 17):
+        host = Sampler(0).sample(logits, params, [k] * 64)
+        device = Sampler(0).sample(logits.to(DEVICE), params, [k] * 64)
+        assert device == host, k

@@ -232,6 +232,33 @@ def test_the_ingress_metrics_are_behind_the_replicas_keys():
     assert allowed.status_code == 200 and b'loraplex_requests_running{replica="r0"} 2.0' in allowed.body
 
 
+def test_the_load_poll_carries_the_key_the_replicas_let_read_metrics():
+    """With keys configured on the replicas, the poll reads their loads with the ingress's own key (the
+    replica's check is the server's: Auth.metrics_access with that key in its environment)."""
+    from aiohttp import web
+
+    from frontends.auth import parse_auth
+    auth = parse_auth({"admin_keys": ["sk-admin"]}, ingress_key="sk-ingress-test")
+
+    async def guarded(request):
+        status = auth.metrics_access(request.headers.get("Authorization", ""))
+        if status != 200:
+            return web.json_response({"error": {"message": "refused"}}, status=status)
+        return web.Response(text="loraplex_requests_running 4.0\nloraplex_requests_waiting 1.0\n")
+
+    async def poll(key):
+        runner, url = await stub_replica(guarded)
+        ingress = Ingress.func_or_class(RecordingReplicas(), FakeDirectory({"r0": url}), "adapter", 1.25, key)
+        task = asyncio.create_task(ingress._poll_loads())
+        await asyncio.sleep(0.5)
+        task.cancel()
+        await ingress.session.close()
+        await runner.cleanup()
+        return ingress.load
+    assert asyncio.run(poll("sk-ingress-test")) == {"r0": 5.0}
+    assert asyncio.run(poll(None)) == {}         # without it the replicas refuse: no load is known
+
+
 async def adapter_replica(refuse: set[str]):
     """A replica stand-in with load / unload routes: it refuses to load the names in `refuse`. -> (runner,
     URL, the names it holds)."""
