@@ -66,7 +66,7 @@ class Side:
 
     def run(self, q: torch.Tensor) -> list[torch.Tensor]:
         """One step's attention, every layer: q [T, heads, head_dim] -> each layer's output."""
-        self.step.decode_mask = None          # a backend's per-step cache (built on the first layer)
+        self.step.decode_masks = {}          # a backend's per-step cache (built on the first layer)
         scale = self.backend.shape.head_dim ** -0.5
         return [self.backend.attention(q, k, v, self.step, scale) for k, v in self.caches]
 

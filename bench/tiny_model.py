@@ -1,5 +1,6 @@
-"""A tiny random Llama directory (Hugging Face format, the default model's tokenizer), for tests and load
-runs that exercise the serving stack rather than the model: each step costs about a millisecond."""
+"""Tiny random model directories (Hugging Face format, the default model's tokenizer) of every served family,
+for tests and load runs that exercise the serving stack rather than the model: each step costs about a
+millisecond. Built with transformers' own config and model classes, so they are what transformers loads."""
 from __future__ import annotations
 
 import shutil
@@ -24,6 +25,53 @@ def make_tiny_llama(dest: Path, tokenizer_dir: Path, layers: int = 2, seed: int 
         if (Path(tokenizer_dir) / f).is_file():
             shutil.copy(Path(tokenizer_dir) / f, dest / f)
     return dest
+
+
+# family -> (the transformers config and model classes, the family's own settings at tiny size). Windowed
+# families get a sliding window of WINDOW tokens, smaller than the tests' prompts plus outputs.
+WINDOW = 12
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": WINDOW}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": WINDOW,
+                                                  "max_window_layers": 1}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"use_sliding_window": True, "sliding_window": WINDOW,
+                                                  "max_window_layers": 1}),
+}
+
+
+def make_tiny(dest: Path, tokenizer_dir: Path, family: str = "llama", layers: int = 3, seed: int = 0,
+              max_positions: int = 256) -> Path:
+    """A model of any family of FAMILIES with its switches on (Qwen2's biases, Qwen3's q/k norms, the
+    windowed families' window on some layers): hidden 64, 4 query / 2 KV heads of 32 (the paired KV layout
+    and the C decoder take 32-dim heads, not make_tiny_llama's 16). Biases and norm weights are random
+    (not zeros and ones), so that a switch read wrongly changes the tokens."""
+    import torch
+    import transformers
+    if (dest / "config.json").is_file():
+        return dest
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, config_cls)(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=max_positions, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, **extra)
+    model = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(dest)
+    _copy_tokenizer(tokenizer_dir, dest)
+    return dest
+
+
+def _copy_tokenizer(src: Path, dest: Path) -> None:
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (Path(src) / f).is_file():
+            shutil.copy(Path(src) / f, dest / f)
 
 
 def make_random_like(dest: Path, src: Path, seed: int = 0) -> Path:

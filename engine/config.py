@@ -28,7 +28,8 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The architecture read from a Hugging Face Llama `config.json`."""
+    """The architecture read from a Hugging Face `config.json`: the shared decoder layer's sizes and its
+    family's switches (engine/model/family.py)."""
     path: str
     name: str
     dtype: torch.dtype
@@ -45,6 +46,14 @@ class ModelConfig:
     max_model_len: int
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
+    family: str = "llama"
+    qkv_bias: bool = False                  # q, k, v projections have biases
+    qk_norm: bool = False                   # RMSNorm of each q and k head before RoPE
+    layer_windows: tuple[int, ...] = ()     # keys each layer's tokens attend to (0 or absent: all)
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window (0: global attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
 
     @property
     def q_size(self) -> int:
@@ -61,11 +70,9 @@ class ModelConfig:
         cfg_file = path / "config.json"
         if not cfg_file.is_file():
             raise ValueError(f"model: {path} has no config.json (not a Hugging Face model directory)")
+        from engine.model.family import describe
         cfg = json.loads(cfg_file.read_text())
-        archs = cfg.get("architectures") or []
-        if cfg.get("model_type") != "llama" and "LlamaForCausalLM" not in archs:
-            raise ValueError(f"model: {path} is not a Llama model (model_type={cfg.get('model_type')!r}, "
-                             f"architectures={archs}); loraplex serves Llama-architecture models")
+        switches = describe(cfg, str(cfg_file))
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -83,7 +90,8 @@ class ModelConfig:
             rope_scaling=rope if rope_type == "llama3" else None,
             max_model_len=min(model_len, max_model_len or model_len),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            eos_token_ids=_eos_ids(path, cfg))
+            eos_token_ids=_eos_ids(path, cfg), family=switches.family, qkv_bias=switches.qkv_bias,
+            qk_norm=switches.qk_norm, layer_windows=switches.layer_windows)
 
 
 def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:

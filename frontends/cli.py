@@ -14,7 +14,8 @@ from kernels.selector import BACKENDS, DEVICES
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct) or a HF Llama directory")
+    p.add_argument("--model", default="default",
+                   help="'default' (SmolLM2-135M-Instruct) or a Hugging Face model directory of a served family")
     p.add_argument("--dtype", default="bfloat16", help="bfloat16 or float32")
     p.add_argument("--backend", default=None, choices=BACKENDS,
                    help="compute backend: auto (default), cpu (C kernels), torch (reference), triton")

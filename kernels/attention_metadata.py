@@ -5,7 +5,7 @@ A request's K/V for token t lives at page block_table[t // block_size], offset t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,8 +35,8 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [D, max_blocks] int64 block table of each row (padded with page 0)
     decode_lens: torch.Tensor | None          # [D] int64 how many tokens each row attends to
     prefills: list[PrefillSeq]
-    decode_mask: torch.Tensor | None = None   # [D, 1, 1, max_blocks * block_size] additive: a backend's cache
-                                              # (the reference backend builds it on the first layer)
+    decode_masks: dict = field(default_factory=dict)   # window -> [D, 1, 1, max_blocks * block_size] additive:
+                                              # a backend's cache (the reference backend's, built on first use)
     seq_block_tables: torch.Tensor | None = None  # [S, max_blocks] int32 each request's pages (padded with 0)
     query_tiles: torch.Tensor | None = None       # [N, 4] int32 (request, first row, rows, first row's length)
     max_tile_rows: int = 0                        # the most rows of any tile
@@ -53,7 +53,7 @@ class AttentionMetadata:
             setattr(self, name, t)
         for i, p in enumerate(self.prefills):
             p.block_table, p.mask = moved[len(names) + 2 * i], moved[len(names) + 2 * i + 1]
-        self.decode_mask = None
+        self.decode_masks = {}
         return moved[len(tensors):]
 
 

@@ -188,6 +188,21 @@ class Backend(ABC):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for gate_up = [gate | up]: [T, 2I] -> [T, I]."""
 
+    def add_bias(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """x + bias (a projection's bias, after its adapters' deltas): x [T, N], bias [N] -> [T, N], rounded
+        once to x's dtype. May update x in place and return it (x is the step's own projection output)."""
+        return x.add_(bias)
+
+    def head_norms(self, q_k: torch.Tensor, num_q_heads: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+        """rms_norm of every head of q_k [T, heads + kv_heads, d] over d: the first num_q_heads with q_weight
+        [d], the rest with k_weight [d] (Qwen3's q/k norms) -> [T, heads + kv_heads, d], the bits of
+        rms_norm on each head's row."""
+        t, n, d = q_k.shape
+        q = self.rms_norm(q_k[:, :num_q_heads].reshape(-1, d), q_weight, eps).view(t, num_q_heads, d)
+        k = self.rms_norm(q_k[:, num_q_heads:].reshape(-1, d), k_weight, eps).view(t, n - num_q_heads, d)
+        return torch.cat([q, k], dim=1)
+
     @abstractmethod
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotary embedding (rotate-half form): x [T, heads, d]; cos, sin [T, d] -> rotated [T, heads, d].
@@ -200,9 +215,10 @@ class Backend(ABC):
 
     @abstractmethod
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float) -> torch.Tensor:
+                  scale: float, window: int = 0) -> torch.Tensor:
         """Causal attention over the paged cache, the step's new K/V already written: q [T, heads, d] ->
-        [T, heads, d]; query heads share KV heads in groups (GQA)."""
+        [T, heads, d]; query heads share KV heads in groups (GQA). window > 0: a row of length L (its query
+        at position L - 1) attends to its last `window` keys only, [max(0, L - window), L)."""
 
     # -- multi-LoRA -------------------------------------------------------------------------------------
     def lora_packer(self) -> LoraPacker:

@@ -1,4 +1,5 @@
-"""The Llama forward pass over a paged KV cache, through a compute backend (kernels/backend.py).
+"""The decoder forward pass over a paged KV cache, through a compute backend (kernels/backend.py): the
+Llama layer with its family's switches (engine/model/family.py: q/k/v biases, q/k norms, sliding windows).
 
 Tokens of all scheduled requests are flattened into one batch of T tokens: x is [T, hidden]. Multi-LoRA
 deltas come with each base projection (`LoraStep.project`), on the fused outputs.
@@ -69,13 +70,17 @@ class LlamaModel:
         h = ops.rms_norm(x, layers[0].input_norm, cfg.rms_norm_eps)
         for i, layer in enumerate(layers):
             qkv = project(layer.qkv, i, "qkv", h, lora)           # [T, q + 2kv]
+            if layer.qkv_bias is not None:
+                qkv = ops.add_bias(qkv, layer.qkv_bias)
             q_k = qkv[:, : cfg.q_size + cfg.kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            if layer.q_norm is not None:
+                q_k = ops.head_norms(q_k, cfg.num_heads, layer.q_norm, layer.k_norm, cfg.rms_norm_eps)
             q_k = ops.rope(q_k, cos, sin)                           # q and k heads in one pass
             q, k = q_k.split([cfg.num_heads, cfg.num_kv_heads], dim=1)
             v = qkv[:, cfg.q_size + cfg.kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_caches[i]
             ops.write_kv(k_cache, v_cache, k, v, meta)
-            attn = ops.attention(q, k_cache, v_cache, meta, self.scale).flatten(1)  # [T, q]
+            attn = ops.attention(q, k_cache, v_cache, meta, self.scale, cfg.window(i)).flatten(1)  # [T, q]
             o = project(layer.o, i, "o", attn, lora)
             h = ops.add_rms_norm(x, o, layer.post_norm, cfg.rms_norm_eps)         # x += o
             gate_up = project(layer.gate_up, i, "gate_up", h, lora)  # [T, 2I]

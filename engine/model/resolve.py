@@ -12,5 +12,5 @@ def resolve_model(model: str) -> tuple[Path, str]:
     path = Path(model).expanduser()
     if not path.is_dir():
         raise ValueError(f"model: {model!r} is not a directory (no model hub is used; give a local "
-                         f"Hugging Face Llama directory or 'default')")
+                         f"Hugging Face model directory of a served family or 'default')")
     return path, path.name

@@ -1,4 +1,4 @@
-"""Load a Hugging Face Llama checkpoint (safetensors) into fused per-layer tensors."""
+"""Load a Hugging Face checkpoint of a served family (safetensors) into fused per-layer tensors."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,6 +19,9 @@ class LayerWeights:
     post_norm: torch.Tensor      # [H]
     gate_up: LinearOp            # [2 * I, H]
     down: LinearOp               # [H, I]
+    qkv_bias: torch.Tensor | None = None   # [q_size + 2 * kv_size] (cfg.qkv_bias)
+    q_norm: torch.Tensor | None = None     # [head_dim] (cfg.qk_norm)
+    k_norm: torch.Tensor | None = None     # [head_dim]
 
 
 @dataclass
@@ -54,10 +57,17 @@ def load_weights(cfg: ModelConfig, backend: Backend) -> LlamaWeights:
             raise ValueError(f"model: weight {name!r} has shape {tuple(t.shape)}, config implies {shape}")
         return t.to(dtype=cfg.dtype, device=backend.device)
 
-    H, I, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    H, I, q, kv, d = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size, cfg.head_dim
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
+        extra = {}
+        if cfg.qkv_bias:
+            extra["qkv_bias"] = torch.cat([get(p + f"self_attn.{m}_proj.bias", (n,)) for m, n in (("q", q), ("k", kv),
+                                                                                                   ("v", kv))])
+        if cfg.qk_norm:
+            extra["q_norm"] = get(p + "self_attn.q_norm.weight", (d,))
+            extra["k_norm"] = get(p + "self_attn.k_norm.weight", (d,))
         layers.append(LayerWeights(
             input_norm=get(p + "input_layernorm.weight", (H,)),
             qkv=linear(torch.cat([get(p + "self_attn.q_proj.weight", (q, H)),
@@ -67,7 +77,7 @@ def load_weights(cfg: ModelConfig, backend: Backend) -> LlamaWeights:
             post_norm=get(p + "post_attention_layernorm.weight", (H,)),
             gate_up=linear(torch.cat([get(p + "mlp.gate_proj.weight", (I, H)),
                                       get(p + "mlp.up_proj.weight", (I, H))])),
-            down=linear(get(p + "mlp.down_proj.weight", (H, I)))))
+            down=linear(get(p + "mlp.down_proj.weight", (H, I))), **extra))
     embed = get("model.embed_tokens.weight", (cfg.vocab_size, H))
     if cfg.tie_word_embeddings or "lm_head.weight" not in index:
         lm_head = embed

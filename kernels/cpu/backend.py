@@ -104,14 +104,15 @@ class CpuBackend(TorchBackend):
         else:
             super().write_kv(k_cache, v_cache, k, v, meta)
 
-    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0):
         if self.kv_mode == KvMode.ROWS:
-            return super().attention(q, k_cache, v_cache, meta, scale)
+            return super().attention(q, k_cache, v_cache, meta, scale, window)
         assert not meta.prefills and meta.num_decode == q.shape[0], "the C kernels take every token as a row"
         if self.kv_mode == KvMode.PAIRED:
             return c_attention.paired_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,
-                                                scale)
-        return c_attention.tiled_attention(q, k_cache, v_cache, meta.seq_block_tables, meta.query_tiles, scale)
+                                                scale, window)
+        return c_attention.tiled_attention(q, k_cache, v_cache, meta.seq_block_tables, meta.query_tiles, scale,
+                                           window)
 
     # -- multi-LoRA ------------------------------------------------------------------------------------
     def lora_packer(self) -> GroupPacker:

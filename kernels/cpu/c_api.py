@@ -14,7 +14,7 @@ _SILU = [P, I64, P, I64, I64, I]
 _ROPE = [P, I64, I64, I, I, P, P]
 _GEMM = [P, I64, P, P, I64, I, I, I]                                # x, xs, packed, y, ys, M, K, N
 _LORA = [P, I64, P, I64, P, P, P, I, P, I, I, I, P, P]   # x, xs, y, ys, tok, slot, rank, n, a, R, G, in, b, out
-_TILED = [P, P, P, P, I64, P, I64, P, I, I, I, I, I, F, I]
+_TILED = [P, P, P, P, I64, P, I64, P, I, I, I, I, I, F, I, I64]
 
 # library -> {function: (return type, argument types)}
 LIBRARIES: dict[str, dict[str, tuple]] = {
@@ -34,7 +34,7 @@ LIBRARIES: dict[str, dict[str, tuple]] = {
     "lora_pack": {"pack_lora": (INT, [P, P, I, P, I])},
     "attention_tiled": {"paged_tiled_attention_bf16": (INT, _TILED), "paged_tiled_attention_f32": (INT, _TILED)},
     "attention_avx512bf16": {
-        "paired_attention_bf16": (INT, [P, I64, P, P, P, I64, P, I64, P, I, I, I, I, I, F]),
+        "paired_attention_bf16": (INT, [P, I64, P, P, P, I64, P, I64, P, I, I, I, I, I, F, I64]),
         "write_kv_paired_bf16": (INT, [P, I64, P, I64, P, P, I64, P, P, I64, I, I, I]),
     },
     "decoder": {"decoder_layers_bf16": (INT, [P])},

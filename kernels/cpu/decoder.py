@@ -1,5 +1,6 @@
-"""ctypes binding of decoder.c: all decoder layers of a Llama step in one C call (AVX512-BF16, bf16 weights on
-the C GEMM, the paired KV layout). The same kernels in the same order as the per-op layer loop of
+"""ctypes binding of decoder.c: all decoder layers of a step in one C call (the Llama layer with its family's
+switches: q/k/v biases, q/k norms, sliding windows; AVX512-BF16, bf16 weights on the C GEMM, the paired KV
+layout). The same kernels in the same order as the per-op layer loop of
 engine/model/llama.py, so the same bits, without its Python and per-op parallel regions between them
 (about 10 calls a layer; on a 64-row decode step, ~3 ms of Python per step on the hosts measured).
 
@@ -22,7 +23,12 @@ from kernels.cpu.build import has_avx512_bf16, load_functions
 
 class _Layer(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in ("qkv", "o", "gate_up", "down", "input_norm", "post_norm",
-                                               "k_cache", "v_cache")]
+                                               "k_cache", "v_cache", "qkv_bias", "q_norm", "k_norm")] + [
+        ("window", ctypes.c_int64)]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 class _Lora(ctypes.Structure):
@@ -79,8 +85,9 @@ class Decoder:
         self.k_view = kv_caches[0][0]          # paired K view [pages, kvh, d / 2, bs, 2]
         self.layers = (_Layer * len(layers))(*[
             _Layer(w.qkv.c.packed_ptr, w.o.c.packed_ptr, w.gate_up.c.packed_ptr, w.down.c.packed_ptr,
-                   w.input_norm.data_ptr(), w.post_norm.data_ptr(), k.data_ptr(), v.data_ptr())
-            for w, (k, v) in zip(layers, kv_caches)])
+                   w.input_norm.data_ptr(), w.post_norm.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(w.qkv_bias),
+                   _ptr(w.q_norm), _ptr(w.k_norm), cfg.window(i))
+            for i, (w, (k, v)) in enumerate(zip(layers, kv_caches))])
         self._keep = (layers, kv_caches)       # the memory behind the pointers above
 
     @classmethod
@@ -92,7 +99,8 @@ class Decoder:
             for lin in (w.qkv, w.o, w.gate_up, w.down):   # packed for gemm_avx512bf16.c (not the AVX2 layout)
                 if lin.c is None or lin.c.fns is not c_gemm.variant("avx512bf16"):
                     return None
-            if not (w.input_norm.is_contiguous() and w.post_norm.is_contiguous()):
+            extras = [t for t in (w.qkv_bias, w.q_norm, w.k_norm) if t is not None]
+            if not all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in [w.input_norm, w.post_norm, *extras]):
                 return None
         return cls(cfg, layers, kv_caches)
 

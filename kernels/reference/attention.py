@@ -24,19 +24,23 @@ def gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     return x.view(b, nb * bs, kvh, d).transpose(1, 2)
 
 
-def decode_mask(meta: AttentionMetadata, block_size: int, dtype: torch.dtype) -> torch.Tensor:
-    """[D, 1, 1, max_blocks * block_size] additive mask of the decode rows (built once a step)."""
-    if meta.decode_mask is None:
+def decode_mask(meta: AttentionMetadata, block_size: int, dtype: torch.dtype, window: int = 0) -> torch.Tensor:
+    """[D, 1, 1, max_blocks * block_size] additive mask of the decode rows (built once a step per window):
+    a row of length L sees keys [0, L), or [L - window, L) with a window."""
+    if window not in meta.decode_masks:
         width = meta.decode_block_tables.shape[1] * block_size
         lens = meta.decode_lens                                          # on the step's device
-        visible = torch.arange(width, device=lens.device)[None, :] < lens[:, None]
+        keys = torch.arange(width, device=lens.device)[None, :]
+        visible = keys < lens[:, None]
+        if window:
+            visible &= keys >= lens[:, None] - window
         mask = torch.zeros(visible.shape, dtype=dtype, device=lens.device).masked_fill_(~visible, float("-inf"))
-        meta.decode_mask = mask[:, None, None, :]
-    return meta.decode_mask
+        meta.decode_masks[window] = mask[:, None, None, :]
+    return meta.decode_masks[window]
 
 
 def decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, window: int = 0) -> torch.Tensor:
     """The first meta.num_decode rows of q [T, heads, d], each over its own prefix -> [D, heads, d]."""
     d = meta.num_decode
     kvh, head_dim = k_cache.shape[-2:]
@@ -44,28 +48,41 @@ def decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m
     qd = q[:d].view(d, kvh, -1, head_dim)
     k = gather(k_cache, meta.decode_block_tables)          # [D, kvh, L, d]
     v = gather(v_cache, meta.decode_block_tables)
-    mask = decode_mask(meta, k_cache.shape[1], q.dtype)
+    mask = decode_mask(meta, k_cache.shape[1], q.dtype, window)
     o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
     return o.reshape(d, -1, head_dim)
 
 
+def window_mask(p, window: int) -> torch.Tensor | None:
+    """The PrefillSeq's mask [q_len, ctx_len] (None: plain causal), narrowed to a sliding window: the query
+    at position i sees keys (i - window, i]."""
+    if not window or p.ctx_len <= window:
+        return p.mask
+    n = p.q_end - p.q_start
+    pos = torch.arange(p.ctx_len - n, p.ctx_len, device=p.block_table.device)[:, None]
+    keys = torch.arange(p.ctx_len, device=p.block_table.device)[None, :]
+    return (keys <= pos) & (keys > pos - window)
+
+
 def prefill_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float, out: torch.Tensor) -> None:
-    """Every PrefillSeq's queries, causal over its context, written into out [T, heads, d]."""
+                 scale: float, out: torch.Tensor, window: int = 0) -> None:
+    """Every PrefillSeq's queries, causal over its context (within the window), written into out
+    [T, heads, d]."""
     for p in meta.prefills:
         qp = q[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)          # [1, heads, n, d]
         k = gather(k_cache, p.block_table[None])[:, :, : p.ctx_len]     # [1, kvh, ctx, d]
         v = gather(v_cache, p.block_table[None])[:, :, : p.ctx_len]
-        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, is_causal=p.mask is None,
+        mask = window_mask(p, window)
+        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, is_causal=mask is None,
                                            scale=scale, enable_gqa=True)
         out[p.q_start:p.q_end] = o.squeeze(0).transpose(0, 1)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> torch.Tensor:
-    """q: [T, heads, head_dim] -> out: [T, heads, head_dim]."""
+                    scale: float, window: int = 0) -> torch.Tensor:
+    """q: [T, heads, head_dim] -> out: [T, heads, head_dim]; window: see Backend.attention."""
     out = torch.empty_like(q)
     if meta.num_decode:
-        out[:meta.num_decode] = decode_rows(q, k_cache, v_cache, meta, scale)
-    prefill_rows(q, k_cache, v_cache, meta, scale, out)
+        out[:meta.num_decode] = decode_rows(q, k_cache, v_cache, meta, scale, window)
+    prefill_rows(q, k_cache, v_cache, meta, scale, out, window)
     return out

@@ -8,6 +8,8 @@ through each request's block table, query rows taken in tiles so that a tile rea
     tiles:        [N, 4] int32 (request s, first row r0, rows n, length l0): rows r0 .. r0+n-1 belong to
                   request s and row r0+i attends to that request's first l0+i tokens (its own position + 1).
                   Invariant: the tiles cover every row exactly once, 1 <= n <= tile_rows, l0 >= 1.
+    window:       > 0: a row of length L attends to its last `window` tokens only, [L - window, L) (a
+                  sliding window; keys before the tile's first window are not visited); 0: all.
     -> out [R, H, d]: softmax(scale * q k^T) v over each row's tokens, fp32 inside.
 
 A decode token is a tile of one row; a prefill chunk of n tokens is ceil(n / tile_rows) tiles.
@@ -32,10 +34,11 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _paged_attention_kernel(q_ptr, o_ptr, k_ptr, v_ptr, table_ptr, tiles_ptr, part_ptr, page_stride, tok_stride,
-                            table_stride, scale_log2, rows, H: tl.constexpr, G: tl.constexpr, GP: tl.constexpr,
-                            D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
-                            SPLIT_KEYS: tl.constexpr, PARTIALS: tl.constexpr):
+                            table_stride, scale_log2, rows, window, H: tl.constexpr, G: tl.constexpr,
+                            GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                            WIDEN: tl.constexpr, SPLIT_KEYS: tl.constexpr, PARTIALS: tl.constexpr,
+                            SLIDING: tl.constexpr):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -65,6 +68,9 @@ def _paged_attention_kernel(q_ptr, o_ptr, k_ptr, v_ptr, table_ptr, tiles_ptr, pa
         k_lo = 0
         k_hi = l0 + n - 1
         row_end = row_len
+    if SLIDING:             # each row's first key; the tile's first row has the smallest
+        row_start = row_len - window
+        k_lo = tl.maximum(k_lo, (l0 - window) // BLOCK_N * BLOCK_N)
     for start in range(k_lo, k_hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < l0 + n - 1
@@ -82,9 +88,12 @@ def _paged_attention_kernel(q_ptr, o_ptr, k_ptr, v_ptr, table_ptr, tiles_ptr, pa
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, kt, input_precision=PRECISION) * scale_log2                     # [BLOCK_M, BLOCK_N]
-        s = tl.where(keys[None, :] < row_end[:, None], s, float("-inf"))
+        visible = keys[None, :] < row_end[:, None]
+        if SLIDING:
+            visible = visible & (keys[None, :] >= row_start[:, None])
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        if PARTIALS:        # a row may have no key in this split yet: p = 0, not NaN (one split: key 0 is)
+        if PARTIALS or SLIDING:     # a row may have no key here yet: p = 0, not NaN (one split, global: key 0 is)
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_sub = m_new
@@ -165,9 +174,10 @@ def num_splits(num_tiles: int, kv_heads: int, max_len: int, split_keys: int = SP
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     tiles: torch.Tensor, max_rows: int, scale: float, max_len: int = 0,
-                    split_keys: int = SPLIT_KEYS) -> torch.Tensor:
+                    split_keys: int = SPLIT_KEYS, window: int = 0) -> torch.Tensor:
     """See the module docstring for shapes; max_rows: the most rows any tile has (sizes the program);
-    max_len: the longest row's length (0: unknown, no split); split_keys: keys a split (num_splits)."""
+    max_len: the longest row's length (0: unknown, no split); split_keys: keys a split (num_splits);
+    window: the sliding window (0: none)."""
     rows, heads, d = q.shape
     _, bs, kvh, hd = k_cache.shape
     if hd != d or heads % kvh:
@@ -186,9 +196,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     part = torch.empty(splits * rows * heads * (dp + 2) if splits > 1 else 1, dtype=torch.float32, device=q.device)
     _paged_attention_kernel[(tiles.shape[0], kvh, splits)](
         q, out, k_cache, v_cache, block_tables, tiles, part, k_cache.stride(0), kvh * d, block_tables.stride(0),
-        scale * LOG2E, rows, H=heads, G=heads // kvh, GP=gp, D=d, DP=dp, BS=bs, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
-        PRECISION=precision, WIDEN=_interpreting(), SPLIT_KEYS=split_keys,
-        PARTIALS=splits > 1, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        scale * LOG2E, rows, window, H=heads, G=heads // kvh, GP=gp, D=d, DP=dp, BS=bs, BLOCK_M=block_m,
+        BLOCK_N=BLOCK_N, PRECISION=precision, WIDEN=_interpreting(), SPLIT_KEYS=split_keys,
+        PARTIALS=splits > 1, SLIDING=window > 0, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if splits > 1:
         _combine_splits_kernel[(tiles.shape[0], heads)](out, tiles, part, rows, H=heads, D=d, DP=dp,
                                                         SPLIT_KEYS=split_keys)

@@ -86,7 +86,7 @@ def make_meta(seqs, tables, bs, b) -> AttentionMetadata:
     return meta
 
 
-def run_attention(b, dtype, steps, tables, bs=16, pages=24, layers=2):
+def run_attention(b, dtype, steps, tables, bs=16, pages=24, layers=2, window=0):
     """Write each step's K/V through the backend and attend: the outputs of every step of layer 1."""
     s = SHAPE
     storage = torch.zeros(pages, layers * 2 * bs * s.num_kv_heads * s.head_dim, dtype=dtype, device=DEVICE)
@@ -99,7 +99,7 @@ def run_attention(b, dtype, steps, tables, bs=16, pages=24, layers=2):
         v = randn(t, s.num_kv_heads, s.head_dim, dtype=dtype, seed=10 * i + 2)
         meta = make_meta(seqs, tables, bs, b)
         b.write_kv(k_cache, v_cache, k, v, meta)
-        outs.append(b.attention(q, k_cache, v_cache, meta, s.head_dim ** -0.5))
+        outs.append(b.attention(q, k_cache, v_cache, meta, s.head_dim ** -0.5, window))
     return outs
 
 
@@ -113,6 +113,40 @@ def test_write_kv_and_attention_over_chunked_prefill_and_decode(name, dtype):
     for got, want in zip(run_attention(backend(name, dtype), dtype, steps, tables),
                          run_attention(backend("torch", dtype), dtype, steps, tables)):
         close(got, want, dtype)
+
+
+@pytest.mark.parametrize("name", overriding("write_kv", "attention", "kv_caches"))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [1, 7, 16, 40])
+def test_sliding_window_attention_over_chunked_prefill_and_decode(name, dtype, window):
+    """The same steps with a sliding window: inside one block, one block, and wider than some contexts."""
+    tables = [[5, 17, 2], [9, 0, 21, 3], [12, 7, 19]]
+    steps = [[(0, 20), (0, 33), (0, 9)], [(20, 1), (33, 1), (9, 14)], [(21, 1), (34, 1), (23, 1)]]
+    for got, want in zip(run_attention(backend(name, dtype), dtype, steps, tables, window=window),
+                         run_attention(backend("torch", dtype), dtype, steps, tables, window=window)):
+        close(got, want, dtype)
+
+
+def test_the_reference_window_is_a_dense_softmax_over_the_last_keys():
+    """The oracle itself: one request's prompt of 30 then a decode, against softmax over keys (i - w, i]."""
+    s, w = SHAPE, 6
+    b = backend("torch", torch.float32)
+    storage = torch.zeros(8, 2 * 2 * 16 * s.num_kv_heads * s.head_dim, device=DEVICE)
+    k_cache, v_cache = b.kv_caches(storage, 2, 16, s.num_kv_heads, s.head_dim)[0]
+    q, k, v = (randn(31, n, s.head_dim, dtype=torch.float32, seed=i)
+               for i, n in enumerate((s.num_heads, s.num_kv_heads, s.num_kv_heads)))
+    got = []
+    for start, n in ((0, 30), (30, 1)):
+        meta = make_meta([(start, n)], [[3, 1]], 16, b)
+        b.write_kv(k_cache, v_cache, k[start:start + n], v[start:start + n], meta)
+        got.append(b.attention(q[start:start + n], k_cache, v_cache, meta, 0.25, w))
+    got = torch.cat(got).cpu()
+    group = s.num_heads // s.num_kv_heads
+    for i in (0, 3, 5, 6, 17, 30):
+        keys = torch.arange(max(0, i - w + 1), i + 1)
+        for h in range(s.num_heads):
+            p = (k[keys, h // group].cpu() @ q[i, h].cpu() * 0.25).softmax(0)
+            torch.testing.assert_close(got[i, h], p @ v[keys, h // group].cpu(), atol=1e-5, rtol=1e-5)
 
 
 GROUP_MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),

@@ -12,8 +12,9 @@
  * paired_attention_bf16: q [D, H, d] bf16 (rows q_stride elements apart, each row's heads contiguous),
  * out [D, H, d] bf16 contiguous; tables [D, max_blocks] int64; lens [D] int64 (>= 1).
  * Each row is one query token over the first lens[row] tokens of its sequence (decode tokens, and
- * prefill tokens each over its own prefix). Scores and softmax in fp32; P is rounded to bf16 for P @ V
- * (as flash attention does); the output is rounded once. Parallel over rows with OpenMP.
+ * prefill tokens each over its own prefix); with window > 0, over the last `window` of them only
+ * ([lens[row] - window, lens[row]): a sliding window), the blocks before them not read. Scores and
+ * softmax in fp32; P is rounded to bf16 for P @ V (as flash attention does); the output is rounded once. Parallel over rows with OpenMP.
  *
  * write_kv_paired_bf16: token t's K and V ([T, KVH * d] rows at a stride) into page pages[t], slot
  * offs[t] of the caches.
@@ -102,12 +103,13 @@ static inline line_cursor cursor_of(const uint16_t *k, const uint16_t *v, int64_
 
 /* scores of gn <= QG query heads (bf16 pairs q32[g * qs32 + p]) against the 16 tokens of each of nt <= 2 K
  * tiles (tile i: line p at kt[i] + p * bs * 2; n[i] tokens): s[i][g * ss + j] = scale * q_g . k_j for
- * j < n[i]; mx[g] = max(mx[g], those) lane by lane. Two tiles share each query broadcast, and even and odd
- * pairs go to separate accumulators: 4 * gn independent chains. */
+ * skip[i] <= j < n[i] (the first skip[i] lie before a sliding window); mx[g] = max(mx[g], those) lane by
+ * lane. Two tiles share each query broadcast, and even and odd pairs go to separate accumulators: 4 * gn
+ * independent chains. */
 static inline __attribute__((always_inline)) void score_tiles(const int32_t *q32, int qs32, const uint16_t *const *kt,
-                                                              int bs, int d, const int *n, float scale, float *const *s,
-                                                              int64_t ss, __m512 *mx, const int gn, const int nt,
-                                                              line_cursor *cur) {
+                                                              int bs, int d, const int *n, const int *skip, float scale,
+                                                              float *const *s, int64_t ss, __m512 *mx, const int gn,
+                                                              const int nt, line_cursor *cur) {
     cursor_step(cur, PF_SCORE * nt);
     __m512 acc[2][2][QG];
     for (int i = 0; i < nt; i++)
@@ -122,7 +124,7 @@ static inline __attribute__((always_inline)) void score_tiles(const int32_t *q32
             }
         }
     for (int i = 0; i < nt; i++) {
-        const __mmask16 m = n[i] >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n[i]) - 1);
+        const __mmask16 m = (__mmask16)((n[i] >= 16 ? 0xffffu : (1u << n[i]) - 1) & ~((1u << skip[i]) - 1));
         for (int g = 0; g < gn; g++) {
             const __m512 sc = _mm512_mul_ps(_mm512_add_ps(acc[i][0][g], acc[i][1][g]), _mm512_set1_ps(scale));
             _mm512_mask_storeu_ps(s[i] + g * ss, m, sc);
@@ -152,39 +154,43 @@ static inline __attribute__((always_inline)) void pv_block(__m512 acc[QG][4], co
     }
 }
 
-/* one row, KV head h, query heads [g0, g0 + gn) of that KV head */
+/* one row, KV head h, query heads [g0, g0 + gn) of that KV head, over its keys [lo, len) (lo > 0: a sliding
+ * window; the blocks before lo's are not read, and the probabilities of lo's block before lo are 0) */
 static inline __attribute__((always_inline)) void head_group(
         const uint16_t *q, uint16_t *out, const uint16_t *k, const uint16_t *v, int64_t page_stride,
-        const int64_t *table, int64_t len, int G, int d, int bs, float scale, int h, int g0,
+        const int64_t *table, int64_t len, int64_t lo, int G, int d, int bs, float scale, int h, int g0,
         float *s, uint32_t *p32, line_cursor *cur, const int gn) {
     const int64_t nblocks = (len + bs - 1) / bs, ss = (len + 15) / 16 * 16, ps32 = ss / 2;
+    const int64_t b0 = lo / bs, t0 = b0 * bs;             /* the first block read, its first token */
     const int64_t piece = (int64_t)bs * d;                 /* elements of one head's K (or V) in a block */
     const int32_t *q32 = (const int32_t *)(q + (int64_t)(h * G + g0) * d);
     float sum[QG];
     __m512 mxv[QG];
     for (int g = 0; g < gn; g++) mxv[g] = _mm512_set1_ps(-FLT_MAX);
     const int64_t ntiles = (len + 15) / 16;          /* 16-token tiles, two at a time */
-    for (int64_t i = 0; i < ntiles; i += 2) {
+    for (int64_t i = lo / 16; i < ntiles; i += 2) {
         const uint16_t *kt[2];
         float *st[2];
-        int n[2];
+        int n[2], skip[2];
         const int nt = i + 1 < ntiles ? 2 : 1;
         for (int u = 0; u < nt; u++) {
             const int64_t t = (i + u) * 16;
             kt[u] = k + table[t / bs] * page_stride + h * piece + (t % bs) * 2;
             n[u] = (int)(len - t < 16 ? len - t : 16);
+            skip[u] = (int)(lo > t ? lo - t : 0);
             st[u] = s + t;
         }
-        if (nt == 2) score_tiles(q32, d / 2, kt, bs, d, n, scale, st, ss, mxv, gn, 2, cur);
-        else score_tiles(q32, d / 2, kt, bs, d, n, scale, st, ss, mxv, gn, 1, cur);
+        if (nt == 2) score_tiles(q32, d / 2, kt, bs, d, n, skip, scale, st, ss, mxv, gn, 2, cur);
+        else score_tiles(q32, d / 2, kt, bs, d, n, skip, scale, st, ss, mxv, gn, 1, cur);
     }
     for (int g = 0; g < gn; g++) {
         float *sg = s + g * ss, total = 0.f;
         const float m = _mm512_reduce_max_ps(mxv[g]);
-        for (int64_t t = 0; t < len; t++) { sg[t] = expf(sg[t] - m); total += sg[t]; }
+        for (int64_t t = t0; t < lo; t++) sg[t] = 0.f;
+        for (int64_t t = lo; t < len; t++) { sg[t] = expf(sg[t] - m); total += sg[t]; }
         sum[g] = total;
         if (len % 2) sg[len] = 0.f;
-        for (int64_t t = 0; t < len; t += 32) {      /* fp32 probabilities -> bf16 pairs (2t, 2t + 1) */
+        for (int64_t t = t0; t < len; t += 32) {     /* fp32 probabilities -> bf16 pairs (2t, 2t + 1) */
             const int64_t left = (len + 1) / 2 * 2 - t, n16 = left < 32 ? left : 32;
             const __mmask16 m0 = n16 >= 16 ? 0xffff : (__mmask16)((1u << n16) - 1);
             const __mmask16 m1 = n16 >= 32 ? 0xffff : n16 <= 16 ? 0 : (__mmask16)((1u << (n16 - 16)) - 1);
@@ -197,7 +203,7 @@ static inline __attribute__((always_inline)) void head_group(
         __m512 acc[QG][4];
         for (int g = 0; g < gn; g++)
             for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
-        for (int64_t b = 0; b < nblocks; b++) {
+        for (int64_t b = b0; b < nblocks; b++) {
             const uint16_t *vb = v + table[b] * page_stride + h * piece;
             const int64_t n = b == nblocks - 1 ? len - b * bs : bs;
             const uint32_t *pb = p32 + b * bs / 2;
@@ -218,7 +224,7 @@ static inline __attribute__((always_inline)) void head_group(
  * thread's scratch could not be allocated. No barrier: the caller waits for all threads' rows. */
 static int attention_rows(const uint16_t *q, int64_t q_stride, uint16_t *out, const uint16_t *k, const uint16_t *v,
                           int64_t page_stride, const int64_t *tables, int64_t max_blocks, const int64_t *lens, int D,
-                          int H, int KVH, int d, int bs, float scale, int first, int nth) {
+                          int H, int KVH, int d, int bs, float scale, int64_t window, int first, int nth) {
     const int G = H / KVH;
     if (first < D) {   /* the first row's first lines: no row before it prefetched them */
         line_cursor c = cursor_of(k, v, page_stride, tables + (int64_t)first * max_blocks, lens[first], bs, d, KVH);
@@ -230,7 +236,7 @@ static int attention_rows(const uint16_t *q, int64_t q_stride, uint16_t *out, co
     float *s = (float *)malloc(sizeof(float) * QG * max_ss + sizeof(uint32_t) * QG * (max_ss / 2) + 64);
     if (!s) return -2;
     for (int r = first; r < D; r += nth) {   /* interleaved: this thread's next row is r + nth */
-        const int64_t len = lens[r], ss = (len + 15) / 16 * 16;
+        const int64_t len = lens[r], ss = (len + 15) / 16 * 16, lo = window > 0 && len > window ? len - window : 0;
         const int64_t *table = tables + (int64_t)r * max_blocks;
         line_cursor cur = cursor_of(k, v, page_stride, r + nth < D ? tables + (int64_t)(r + nth) * max_blocks : NULL,
                                     r + nth < D ? lens[r + nth] : 0, bs, d, KVH);
@@ -241,10 +247,10 @@ static int attention_rows(const uint16_t *q, int64_t q_stride, uint16_t *out, co
         for (int h = 0; h < KVH; h++)
             for (int g0 = 0; g0 < G; g0 += QG) {
                 switch (G - g0 < QG ? G - g0 : QG) {   /* a specialised copy per group size */
-                case 1: head_group(qr, outr, k, v, page_stride, table, len, G, d, bs, scale, h, g0, s, p32, &cur, 1); break;
-                case 2: head_group(qr, outr, k, v, page_stride, table, len, G, d, bs, scale, h, g0, s, p32, &cur, 2); break;
-                case 3: head_group(qr, outr, k, v, page_stride, table, len, G, d, bs, scale, h, g0, s, p32, &cur, 3); break;
-                default: head_group(qr, outr, k, v, page_stride, table, len, G, d, bs, scale, h, g0, s, p32, &cur, 4); break;
+                case 1: head_group(qr, outr, k, v, page_stride, table, len, lo, G, d, bs, scale, h, g0, s, p32, &cur, 1); break;
+                case 2: head_group(qr, outr, k, v, page_stride, table, len, lo, G, d, bs, scale, h, g0, s, p32, &cur, 2); break;
+                case 3: head_group(qr, outr, k, v, page_stride, table, len, lo, G, d, bs, scale, h, g0, s, p32, &cur, 3); break;
+                default: head_group(qr, outr, k, v, page_stride, table, len, lo, G, d, bs, scale, h, g0, s, p32, &cur, 4); break;
                 }
             }
     }
@@ -259,13 +265,13 @@ static int attention_shape_ok(int H, int KVH, int d, int bs) {
 
 int paired_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, const uint16_t *k, const uint16_t *v, int64_t page_stride,
                           const int64_t *tables, int64_t max_blocks, const int64_t *lens, int D, int H, int KVH, int d,
-                          int bs, float scale) {
+                          int bs, float scale, int64_t window) {
     if (!attention_shape_ok(H, KVH, d, bs)) return -1;
     int failed = 0;
 #pragma omp parallel
     {
         const int rc = attention_rows(q, q_stride, out, k, v, page_stride, tables, max_blocks, lens, D, H, KVH, d, bs,
-                                      scale, omp_get_thread_num(), omp_get_num_threads());
+                                      scale, window, omp_get_thread_num(), omp_get_num_threads());
         if (rc) {
 #pragma omp atomic write
             failed = rc;
@@ -276,8 +282,8 @@ int paired_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, co
 #else
 int paired_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, const uint16_t *k, const uint16_t *v, int64_t page_stride,
                           const int64_t *tables, int64_t max_blocks, const int64_t *lens, int D, int H, int KVH, int d,
-                          int bs, float scale) {
-    (void)q; (void)q_stride; (void)out; (void)k; (void)v; (void)page_stride; (void)tables; (void)max_blocks; (void)lens; (void)D;
+                          int bs, float scale, int64_t window) {
+    (void)window; (void)q; (void)q_stride; (void)out; (void)k; (void)v; (void)page_stride; (void)tables; (void)max_blocks; (void)lens; (void)D;
     (void)H; (void)KVH; (void)d; (void)bs; (void)scale;
     return -3;   /* built without AVX512-BF16: attention.py never calls it then */
 }

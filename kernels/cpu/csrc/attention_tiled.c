@@ -8,6 +8,8 @@
  * tables:   [S, max_blocks] int32 page ids of each request
  * tiles:    [N, 4] int32 (request s, first row r0, rows n, length l0): row r0 + i attends to the first
  *           l0 + i tokens of request s. The tiles cover every row once; n >= 1, l0 >= 1.
+ * window:   > 0: a row of length L attends to its last `window` tokens only, [L - window, L) (a sliding
+ *           window; blocks before every row's window are not read); 0: to all.
  *
  * A tile's query vectors (rows x heads) sharing a KV head are taken 4 at a time. Per K/V block: K widened
  * to fp32 as stored, keys last ([KVH, d, 16-key chunks]; the cache keeps K that way so that no transpose
@@ -82,13 +84,20 @@ typedef struct {
     const float *qf;
     float *acc, *mx, *sum, *score, *kt, *vf;
     int n, H, KVH, d, bs;
-    int64_t l0, k0, L;
+    int64_t l0, k0, L, window;
 } Tile;
 
 /* how many of the split's keys row i attends to */
 static inline int64_t local_len(const Tile *T, int i) {
     const int64_t len = T->l0 + i - T->k0;
     return len < 0 ? 0 : len > T->L ? T->L : len;
+}
+
+/* the first of the split's keys row i attends to (its sliding window's start; 0 without one) */
+static inline int64_t local_lo(const Tile *T, int i) {
+    if (T->window <= 0) return 0;
+    const int64_t lo = T->l0 + i - T->window - T->k0;
+    return lo < 0 ? 0 : lo > T->L ? T->L : lo;
 }
 
 /* the query vectors of KV head h, 4 at a time (the last group padded with its first, results unused) */
@@ -143,15 +152,16 @@ static void block_pv(const Tile *T, int64_t b, int nb) {
         }
 }
 
-/* scores -> exp(score - the row's max in the split) over the row's keys in the split; 0 past them */
+/* scores -> exp(score - the row's max in the split) over the row's keys in the split; 0 outside them */
 static void softmax_rows(const Tile *T) {
     for (int i = 0; i < T->n; i++) {
-        const int64_t len = local_len(T, i);
+        const int64_t len = local_len(T, i), lo = local_lo(T, i);
         for (int j = 0; j < T->H; j++) {
             const int64_t q = (int64_t)i * T->H + j;
             float *s = T->score + q * T->L, m = -FLT_MAX, total = 0.f;
-            for (int64_t t = 0; t < len; t++) m = s[t] > m ? s[t] : m;
-            for (int64_t t = 0; t < len; t++) { s[t] = expf(s[t] - m); total += s[t]; }
+            for (int64_t t = lo; t < len; t++) m = s[t] > m ? s[t] : m;
+            for (int64_t t = 0; t < lo && t < len; t++) s[t] = 0.f;
+            for (int64_t t = lo; t < len; t++) { s[t] = expf(s[t] - m); total += s[t]; }
             for (int64_t t = len; t < T->L; t++) s[t] = 0.f;
             T->mx[q] = m;
             T->sum[q] = total;
@@ -208,16 +218,17 @@ typedef struct { int tile, split; int64_t offset; } Task;
 #define DEFINE_TILED(NAME, TYPE, LOAD, STORE)                                                                 \
 static int NAME##_split(const TYPE *q, const TYPE *k, const TYPE *v, int64_t page_stride, const int32_t *table,\
                         int r0, int n, int l0, int64_t k0, int64_t span, int H, int KVH, int d, int bs,       \
-                        float scale, float *part) {                                                           \
+                        float scale, int64_t window, float *part) {                                           \
     const int row = KVH * d, blocked = d % 16 == 0;                                                           \
     const int64_t nblocks = (span + bs - 1) / bs, hd = (int64_t)H * d, ks = (int64_t)((bs + 15) / 16) * 16;  \
     float *buf = (float *)malloc(sizeof(float) * (n * hd + (int64_t)n * H * span + (int64_t)row * (ks + bs)));\
     if (!buf) return 1;                                                                                       \
     Tile T = {buf, part, part + n * hd, part + n * hd + (int64_t)n * H, buf + n * hd,                          \
               buf + n * hd + (int64_t)n * H * span, buf + n * hd + (int64_t)n * H * span + (int64_t)row * ks,  \
-              n, H, KVH, d, bs, l0, k0, span};                                                                \
+              n, H, KVH, d, bs, l0, k0, span, window};                                                        \
     for (int64_t e = 0; e < n * hd; e++) { buf[e] = LOAD(q[(int64_t)r0 * hd + e]) * scale; T.acc[e] = 0.f; }  \
-    for (int64_t b = 0; b < nblocks; b++) {                                                                   \
+    const int64_t b0 = local_lo(&T, 0) / bs;           /* blocks before row 0's window: no row reads them */ \
+    for (int64_t b = b0; b < nblocks; b++) {                                                                  \
         const TYPE *kb = k + (int64_t)table[k0 / bs + b] * page_stride;                                       \
         const int nb = (int)(span - b * bs < bs ? span - b * bs : bs), kc = (nb + 15) / 16 * 16;             \
         for (int e = 0; e < row; e++) {                                                                       \
@@ -228,7 +239,7 @@ static int NAME##_split(const TYPE *q, const TYPE *k, const TYPE *v, int64_t pag
         if (blocked) block_scores(&T, b, nb); else plain_block_scores(&T, b, nb);                             \
     }                                                                                                         \
     softmax_rows(&T);                                                                                         \
-    for (int64_t b = 0; b < nblocks; b++) {                                                                   \
+    for (int64_t b = b0; b < nblocks; b++) {                                                                  \
         const TYPE *vb = v + (int64_t)table[k0 / bs + b] * page_stride;                                       \
         const int nb = (int)(span - b * bs < bs ? span - b * bs : bs);                                        \
         for (int64_t e = 0; e < (int64_t)nb * row; e++) T.vf[e] = LOAD(vb[e]);                                \
@@ -240,7 +251,7 @@ static int NAME##_split(const TYPE *q, const TYPE *k, const TYPE *v, int64_t pag
                                                                                                               \
 int NAME(const TYPE *q, TYPE *out, const TYPE *k, const TYPE *v, int64_t page_stride, const int32_t *tables, \
          int64_t max_blocks, const int32_t *tiles, int num_tiles, int H, int KVH, int d, int bs, float scale,  \
-         int split_blocks) {                                                                                  \
+         int split_blocks, int64_t window) {                                                                  \
     if (H > MAX_HEADS || d > MAX_DIM || bs > MAX_BLOCK || H % KVH || split_blocks < 1) return -1;             \
     const int64_t S = (int64_t)split_blocks * bs, hd = (int64_t)H * d;                                       \
     int64_t ntasks = 0, words = 0;                                                                            \
@@ -266,7 +277,7 @@ int NAME(const TYPE *q, TYPE *out, const TYPE *k, const TYPE *v, int64_t page_st
         const int32_t *tile = tiles + 4 * (int64_t)tasks[t].tile;                                             \
         const int64_t L = (int64_t)tile[3] + tile[2] - 1, k0 = (int64_t)tasks[t].split * S;                  \
         if (NAME##_split(q, k, v, page_stride, tables + (int64_t)tile[0] * max_blocks, tile[1], tile[2], tile[3], \
-                         k0, L - k0 < S ? L - k0 : S, H, KVH, d, bs, scale, part + tasks[t].offset))          \
+                         k0, L - k0 < S ? L - k0 : S, H, KVH, d, bs, scale, window, part + tasks[t].offset))  \
             failed = 1;                                                                                       \
     }                                                                                                         \
     if (!failed) {                                                                                            \

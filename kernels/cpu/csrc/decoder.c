@@ -5,7 +5,8 @@
  * and the stages are separated by barriers, so the result has exactly the bits of the per-op path. Per
  * layer:
  *
- *   qkv = h @ Wqkv^T; rope(q, k); K/V -> cache; attn = attention(q); o = attn @ Wo^T;
+ *   qkv = h @ Wqkv^T (+ its bias); q/k head norms; rope(q, k); K/V -> cache; attn = attention(q) (in the
+ *   layer's sliding window, if it has one); o = attn @ Wo^T;
  *   x += o, h = rms_norm(x); act = silu(gate) * up of h @ Wgate_up^T; down = act @ Wdown^T;
  *   x += down, h = rms_norm(x) with the next layer's weight (the last layer leaves x += down to the caller).
  *
@@ -39,6 +40,9 @@ typedef struct {
     const uint16_t *qkv, *o, *gate_up, *down;   /* packed weights (gemm_tile.h's layout) */
     const uint16_t *input_norm, *post_norm;     /* [H] */
     const uint16_t *k_cache, *v_cache;          /* the layer's paired K and V views at page 0 */
+    const uint16_t *qkv_bias;                   /* [Q + 2 KV], or NULL: none (the family's switches, */
+    const uint16_t *q_norm, *k_norm;            /* engine/model/family.py); [d] each, or NULL: none */
+    int64_t window;                             /* the layer's sliding window; 0: global attention */
 } decoder_layer;
 
 typedef struct decoder_args {
@@ -90,11 +94,14 @@ static int layer(const decoder_args *a, const step_state *st, int l, int t, int 
     const decoder_layer *w = a->layers + l;
     const int H = a->H, T = a->T, d = a->d, Q = a->heads * d, KV = a->kv_heads * d, N = Q + 2 * KV, I2 = 2 * a->I;
     project(a, st, l, 0, a->h, H, w->qkv, a->qkv, N);
+    if (w->qkv_bias) add_bias_for_bf16(a->qkv, N, w->qkv_bias, T, N);
+    if (w->q_norm) head_norms_for_bf16(a->qkv, N, T, a->heads, a->kv_heads, d, w->q_norm, w->k_norm, a->eps);
     rope_for_bf16(a->qkv, N, T, a->heads + a->kv_heads, d, a->cos, a->sin);
     write_kv_paired_for(a->qkv + Q, N, a->qkv + Q + KV, N, (uint16_t *)w->k_cache, (uint16_t *)w->v_cache,
                         a->page_stride, a->pages, a->offs, T, a->kv_heads, d, a->block_size);
     const int rc = attention_rows(a->qkv, N, a->attn, w->k_cache, w->v_cache, a->page_stride, a->tables,
-                                  a->max_blocks, a->lens, T, a->heads, a->kv_heads, d, a->block_size, a->scale, t, nth);
+                                  a->max_blocks, a->lens, T, a->heads, a->kv_heads, d, a->block_size, a->scale,
+                                  w->window, t, nth);
 #pragma omp barrier
     project(a, st, l, 1, a->attn, Q, w->o, a->o, H);
     add_rms_norm_for_bf16(a->x, H, a->o, H, w->post_norm, a->h, H, T, H, a->eps);

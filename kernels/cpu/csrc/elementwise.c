@@ -31,18 +31,41 @@ static inline float silu(float a) {
 }
 
 #define DEFINE_OPS(SUFFIX, T, LOAD, STORE, ROUND)                                                            \
+/* one row of rms_norm: ot = w * to_dtype(xt / sqrt(mean(xt^2) + eps)) (ot may be xt) */                       \
+static inline void rms_norm_row_##SUFFIX(const T *xt, const T *w, T *ot, int H, float eps) {                 \
+    float ss = 0.f;                                                                                           \
+    int i = VECTOR(sumsq, SUFFIX)(xt, H, &ss);                                                                \
+    for (; i < H; i++) { const float v = LOAD(xt[i]); ss += v * v; }                                          \
+    const float inv = 1.f / sqrtf(ss / H + eps);                                                              \
+    for (i = VECTOR(norm, SUFFIX)(xt, w, ot, inv, H); i < H; i++)                                             \
+        ot[i] = STORE(LOAD(w[i]) * ROUND(LOAD(xt[i]) * inv));                                                 \
+}                                                                                                             \
+                                                                                                              \
 static void rms_norm_for_##SUFFIX(const T *x, int64_t x_stride, const T *w, T *out, int64_t out_stride,       \
                                   int64_t rows, int H, float eps) {                                           \
     _Pragma("omp for schedule(static)")                                                                       \
+    for (int64_t t = 0; t < rows; t++)                                                                        \
+        rms_norm_row_##SUFFIX(x + t * x_stride, w, out + t * out_stride, H, eps);                             \
+}                                                                                                             \
+                                                                                                              \
+/* Qwen3's q/k norms in place: the nq + nk heads of d of each row (rows row_stride apart), the first nq with \
+ * wq, the rest with wk; each head as rms_norm's row (the same bits as rms_norm over a copy of the heads) */  \
+static void head_norms_for_##SUFFIX(T *x, int64_t row_stride, int64_t rows, int nq, int nk, int d,            \
+                                    const T *wq, const T *wk, float eps) {                                    \
+    _Pragma("omp for schedule(static)")                                                                       \
+    for (int64_t r = 0; r < rows * (nq + nk); r++) {                                                          \
+        const int h = (int)(r % (nq + nk));                                                                   \
+        T *xh = x + r / (nq + nk) * row_stride + (int64_t)h * d;                                              \
+        rms_norm_row_##SUFFIX(xh, h < nq ? wq : wk, xh, d, eps);                                              \
+    }                                                                                                         \
+}                                                                                                             \
+                                                                                                              \
+/* y[t] <- to_dtype(y[t] + b) in place: a projection's bias (torch's add in the model dtype) */              \
+static void add_bias_for_##SUFFIX(T *y, int64_t y_stride, const T *b, int64_t rows, int N) {                 \
+    _Pragma("omp for schedule(static)")                                                                       \
     for (int64_t t = 0; t < rows; t++) {                                                                      \
-        const T *xt = x + t * x_stride;                                                                       \
-        float ss = 0.f;                                                                                       \
-        int i = VECTOR(sumsq, SUFFIX)(xt, H, &ss);                                                            \
-        for (; i < H; i++) { const float v = LOAD(xt[i]); ss += v * v; }                                      \
-        const float inv = 1.f / sqrtf(ss / H + eps);                                                          \
-        T *ot = out + t * out_stride;                                                                         \
-        for (i = VECTOR(norm, SUFFIX)(xt, w, ot, inv, H); i < H; i++)                                         \
-            ot[i] = STORE(LOAD(w[i]) * ROUND(LOAD(xt[i]) * inv));                                             \
+        T *yt = y + t * y_stride;                                                                             \
+        for (int i = 0; i < N; i++) yt[i] = STORE(LOAD(yt[i]) + LOAD(b[i]));                                  \
     }                                                                                                         \
 }                                                                                                             \
                                                                                                               \

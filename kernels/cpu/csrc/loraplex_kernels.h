@@ -56,13 +56,14 @@ int pack_lora(const uint8_t *data, const struct pack_piece *pieces, int n, void 
 /* attention_tiled.c, attention_avx512bf16.c */
 int paged_tiled_attention_bf16(const uint16_t *q, uint16_t *out, const uint16_t *k, const uint16_t *v,
                                int64_t page_stride, const int32_t *tables, int64_t max_blocks, const int32_t *tiles,
-                               int num_tiles, int H, int KVH, int d, int bs, float scale, int split_blocks);
+                               int num_tiles, int H, int KVH, int d, int bs, float scale, int split_blocks,
+                               int64_t window);
 int paged_tiled_attention_f32(const float *q, float *out, const float *k, const float *v, int64_t page_stride,
                               const int32_t *tables, int64_t max_blocks, const int32_t *tiles, int num_tiles, int H,
-                              int KVH, int d, int bs, float scale, int split_blocks);
+                              int KVH, int d, int bs, float scale, int split_blocks, int64_t window);
 int paired_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, const uint16_t *k, const uint16_t *v,
                           int64_t page_stride, const int64_t *tables, int64_t max_blocks, const int64_t *lens, int D,
-                          int H, int KVH, int d, int bs, float scale);
+                          int H, int KVH, int d, int bs, float scale, int64_t window);
 int write_kv_paired_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride, uint16_t *k_cache,
                          uint16_t *v_cache, int64_t page_stride, const int64_t *pages, const int64_t *offs, int64_t rows,
                          int KVH, int d, int bs);

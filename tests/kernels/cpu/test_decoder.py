@@ -2,6 +2,7 @@
 chunked prefill, mixed prefill and decode steps, prompt logprobs, and adapters (decode and prefill)."""
 import pytest
 
+from bench.tiny_model import make_tiny
 from engine.llm import LLM
 from engine.model.llama import LlamaModel
 from ipc.sampling_params import SamplingParams
@@ -71,3 +72,19 @@ def test_same_bits_with_adapters(llm, adapter_dir, calls):
     assert runs > 0 and calls["loops"] == 0
     assert _generate(llm, False, adapter=adapters) == fused
     assert calls["runs"] == runs and calls["loops"] > 0
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_same_bits_with_each_familys_switches(family, tmp_path_factory, model_dir, calls):
+    """q/k/v biases (Qwen2), q/k norms (Qwen3) and sliding windows of 12 tokens (all three, on some layers)
+    inside the C decoder: the op-by-op bits over prompts longer than the window."""
+    d = make_tiny(tmp_path_factory.mktemp(family) / "model", model_dir, family)
+    llm = LLM(model=str(d), dtype="bfloat16", max_num_batched_tokens=64, long_prefill_token_threshold=32,
+              enable_prefix_caching=False, kv_cache_memory_bytes=1 << 24)
+    if llm.engine.runner.model.decoder(llm.engine.runner.kv_caches) is None:
+        pytest.skip("the C decoder needs AVX512-BF16 and the paired KV layout")
+    fused = _generate(llm, True)
+    runs = calls["runs"]
+    assert runs > 0 and calls["loops"] == 0
+    assert _generate(llm, False) == fused
+    assert calls["loops"] == runs

@@ -1,0 +1,106 @@
+"""Every served family against transformers + PEFT: a tiny random model of the family built with
+transformers' own classes (3 layers, its switches on: Qwen2's q/k/v biases, Qwen3's q/k norms, a sliding
+window of 12 tokens on the windowed families' layers, smaller than prompt + output), PEFT adapters on every
+projection, base and adapter rows in one mixed batch; greedy float32 tokens equal to PEFT's on every
+backend, and bfloat16 (the CPU backend's fused C decoder where it runs) within PEFT's rounding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.tiny_model import FAMILIES, WINDOW, make_tiny
+from engine.config import ModelConfig
+from engine.llm import LLM
+from engine.model.family import describe
+from ipc.sampling_params import SamplingParams
+from tests.engine.lora.test_fidelity import peft_greedy, peft_logits
+from tests.engine.test_backend_fidelity import PROMPTS, TINY_ADAPTERS
+from tests.kernels.backends import DEVICE, available_backends
+from tests.peft_adapters import make_adapters
+
+NEW = ("mistral", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="module", params=NEW)
+def family(request, tmp_path_factory, model_dir):
+    """(family, its tiny model's directory, the PeftModel oracle over its adapters)."""
+    from transformers import AutoModelForCausalLM
+    d = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    make_tiny(d / "model", model_dir, request.param)
+    model = AutoModelForCausalLM.from_pretrained(d / "model", dtype=torch.float32).eval()
+    oracle = make_adapters(model, d / "adapters", TINY_ADAPTERS, seed=3, std=0.4)
+    return request.param, d, oracle
+
+
+def engine(d, backend: str, dtype: str) -> LLM:
+    llm = LLM(model=str(d / "model"), dtype=dtype, backend=backend, device=str(DEVICE), max_num_batched_tokens=32,
+              long_prefill_token_threshold=24, kv_cache_memory_bytes=1 << 22, block_size=32 if backend == "cpu" else 16)
+    assert llm.engine.runner.backend.name == backend
+    for name in TINY_ADAPTERS:
+        llm.register_adapter(name, str(d / "adapters" / name))
+    return llm
+
+
+JOBS = [(name, PROMPTS[i % len(PROMPTS)]) for i, name in enumerate([*TINY_ADAPTERS, None, None])]
+
+
+def test_the_tiny_models_have_their_families_switches(family):
+    name, d, _ = family
+    cfg = ModelConfig.from_dir(d / "model", torch.float32)
+    assert cfg.family == name
+    assert cfg.qkv_bias == (name == "qwen2") and cfg.qk_norm == (name == "qwen3")
+    assert cfg.layer_windows == ((WINDOW,) * 3 if name == "mistral" else (0, WINDOW, WINDOW))
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_greedy_tokens_match_peft(backend, family):
+    name, d, oracle = family
+    llm = engine(d, backend, "float32")
+    outs = llm.generate([ids for _, ids in JOBS], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        adapter=[a for a, _ in JOBS])
+    got = [o.token_ids for o in outs]
+    assert got == [peft_greedy(oracle, a, ids, 8) for a, ids in JOBS], name
+    assert sum(g != peft_greedy(oracle, None, ids, 8) for g, (a, ids) in zip(got, JOBS) if a) >= 3
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_bfloat16_answers_as_peft_does_up_to_its_rounding(backend, family):
+    """Each row's greedy bf16 token within 0.1 of PEFT's (float32) best log-probability, its reported
+    log-probability within 0.1 of PEFT's; prompts longer than the window."""
+    name, d, oracle = family
+    llm = engine(d, backend, "bfloat16")
+    jobs = [(a, ids) for a, ids in JOBS if len(ids) > WINDOW]
+    outs = llm.generate([ids for _, ids in jobs], SamplingParams(temperature=0, max_tokens=1, logprobs=1),
+                        adapter=[a for a, _ in jobs])
+    for (a, ids), out in zip(jobs, outs):
+        ref = peft_logits(oracle, a, ids).log_softmax(-1)
+        token = out.token_ids[0]
+        assert ref.max().item() - ref[token].item() < 0.1, (name, a, token)
+        assert abs(out.outputs[0].logprobs[0][token] - ref[token].item()) < 0.1, (name, a)
+
+
+def test_an_architecture_not_served_is_named_with_those_that_are():
+    with pytest.raises(ValueError) as e:
+        describe({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "num_hidden_layers": 2})
+    msg = str(e.value)
+    assert "GPT2LMHeadModel" in msg and "does not serve" in msg
+    assert all(arch in msg for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                        "Qwen3ForCausalLM"))
+
+
+@pytest.mark.parametrize("cfg, windows", [
+    ({"model_type": "mistral", "num_hidden_layers": 2, "sliding_window": None}, (0, 0)),
+    ({"model_type": "mistral", "num_hidden_layers": 2, "sliding_window": 4096}, (4096, 4096)),
+    ({"model_type": "qwen2", "num_hidden_layers": 3, "sliding_window": 64, "use_sliding_window": False,
+      "layer_types": ["sliding_attention"] * 3}, (0, 0, 0)),
+    ({"model_type": "qwen2", "num_hidden_layers": 3, "sliding_window": 64, "use_sliding_window": True,
+      "max_window_layers": 2}, (0, 0, 64)),
+    ({"model_type": "qwen3", "num_hidden_layers": 2, "sliding_window": 8, "use_sliding_window": True,
+      "layer_types": ["sliding_attention", "full_attention"]}, (8, 0)),
+])
+def test_windows_follow_each_familys_config(cfg, windows):
+    assert describe(cfg).layer_windows == windows
+
+
+def test_families_of_the_tiny_builder_are_the_served_ones():
+    assert set(FAMILIES) == {"llama", *NEW}
