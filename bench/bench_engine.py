@@ -3,6 +3,10 @@
 64 requests, 128-token prompts, 128 new tokens each (EOS ignored). Prints output tokens/s of both and
 the ratio of the best of each over alternated runs. Usage: python bench/bench_engine.py [--dtype bfloat16]
 [--num 64] [--prompt-len 128] [--out-len 128] [--repeats 3]
+
+With --model DIR (a model of another family, e.g. bench/bench_families.py's of the default model's size):
+the engine on DIR against the engine on the default model (Llama) in the same run, instead of
+transformers: each one's tok/s and their ratio.
 """
 from __future__ import annotations
 
@@ -58,11 +62,12 @@ def kv_read_bound(args, llm) -> tuple[float, int, float]:
     return tokens * per_token / bw, tokens * per_token, bw
 
 
-def engine_side(args, prompts):
-    """The engine, loaded and warmed up -> (llm, run): run() times one generate of the workload (tok/s)."""
+def engine_side(args, prompts, model: str = "default", label: str = "loraplex"):
+    """The engine on `model`, loaded and warmed up -> (llm, run): run() times one generate of the workload
+    (tok/s)."""
     from engine.llm import LLM
     from ipc.sampling_params import SamplingParams
-    llm = LLM(dtype=args.dtype, max_num_seqs=args.num, max_num_batched_tokens=args.max_batched_tokens,
+    llm = LLM(model=model, dtype=args.dtype, max_num_seqs=args.num, max_num_batched_tokens=args.max_batched_tokens,
               enable_prefix_caching=False, device=args.device, backend=args.backend)
     params = SamplingParams(temperature=0, max_tokens=args.out_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4))   # warm-up
@@ -73,9 +78,34 @@ def engine_side(args, prompts):
         dt = time.perf_counter() - t
         n = sum(len(o.token_ids) for o in outs)
         assert n == args.num * args.out_len
-        print(f"loraplex     : {n} tokens in {dt:7.2f} s = {n / dt:8.1f} tok/s")
+        print(f"{label:13s}: {n} tokens in {dt:7.2f} s = {n / dt:8.1f} tok/s")
         return n / dt
     return llm, run
+
+
+def compare_models(args, prompts, models: dict[str, str]) -> dict[str, list[float]]:
+    """The engine on each model (label -> 'default' or a directory), every one loaded first, then their
+    runs alternated `args.repeats` times -> label -> tok/s of each run. Each engine's decoder kind is
+    printed (the C decoder, or op by op), since a family that left the fast path would show here."""
+    runs = {}
+    for label, model in models.items():
+        llm, runs[label] = engine_side(args, prompts, model, label)
+        m = llm.engine.runner.model
+        fused = m.decoder(llm.engine.runner.kv_caches) is not None
+        print(f"  {label}: {m.cfg.family}, backend {llm.engine.runner.backend.name}, "
+              f"{'the one-call C decoder' if fused else 'layers op by op'}")
+    results = {label: [] for label in runs}
+    for _ in range(args.repeats):
+        for label, run in runs.items():
+            results[label].append(run())
+    return results
+
+
+def family_vs_llama(args, prompts) -> None:
+    results = compare_models(args, prompts, {"llama": "default", "family": args.model})
+    fam, llama = max(results["family"]), max(results["llama"])
+    print(f"ratio        : {fam / llama:.2f}x Llama ({fam:.1f} vs {llama:.1f} tok/s, the best of each; "
+          f"{args.model})")
 
 
 def llm_device(args) -> torch.device:
@@ -121,10 +151,14 @@ def main() -> None:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (both sides)")
     p.add_argument("--backend", default="auto", help="the engine's compute backend")
+    p.add_argument("--model", default=None, help="a model directory of another family: compared with the "
+                                                   "default model (Llama) instead of transformers")
     args = p.parse_args()
     prompts = make_prompts(args.num, args.prompt_len, 49152)
     print(f"{args.num} requests x ({args.prompt_len} prompt + {args.out_len} new tokens), {args.dtype}, "
           f"{torch.get_num_threads()} threads, best of {args.repeats} alternated runs")
+    if args.model:
+        return family_vs_llama(args, prompts)
     llm, ours_run = engine_side(args, prompts)
     theirs_run = None if args.skip_hf else hf_side(args, prompts)
     ours, theirs = [], []

@@ -91,6 +91,38 @@ def make_random_like(dest: Path, src: Path, seed: int = 0) -> Path:
     return dest
 
 
+# a family's own settings at full size (make_family_like): Mistral 7B's window (wider than the benchmarks'
+# contexts, as in serving), Qwen's defaults (no window)
+FULL_SIZE = {"mistral": {"sliding_window": 4096}, "qwen2": {}, "qwen3": {}}
+
+
+def make_family_like(dest: Path, src: Path, family: str, seed: int = 0) -> Path:
+    """A model of `family` with src's sizes (a Llama directory: the default model), src's tokenizer files and
+    seeded random bfloat16 weights: the same GEMMs and attention, plus the family's own work (Qwen2's
+    biases, Qwen3's q/k norms). For speed runs of each family at the default model's size."""
+    import json
+
+    import torch
+    import transformers
+    if (dest / "model.safetensors").is_file():
+        return dest
+    torch.manual_seed(seed)
+    base = json.loads((Path(src) / "config.json").read_text())
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
+            "bos_token_id", "eos_token_id", "rope_theta")
+    config_cls, model_cls, _ = FAMILIES[family]
+    sizes = {k: base[k] for k in keep if k in base}
+    sizes["head_dim"] = base.get("head_dim") or base["hidden_size"] // base["num_attention_heads"]
+    cfg = getattr(transformers, config_cls)(**sizes, **FULL_SIZE[family])
+    model = getattr(transformers, model_cls)(cfg).to(torch.bfloat16).eval()
+    model.save_pretrained(dest)
+    for f in Path(src).iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja", "generation_config.json"):
+            shutil.copy(f, dest / f.name)
+    return dest
+
+
 if __name__ == "__main__":
     import argparse
     p = argparse.ArgumentParser(description="Write a model of SRC's shape (config.json and tokenizer files) "
