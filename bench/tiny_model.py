@@ -37,6 +37,7 @@ FAMILIES = {
                                                   "max_window_layers": 1}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"use_sliding_window": True, "sliding_window": WINDOW,
                                                   "max_window_layers": 1}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": WINDOW, "pad_token_id": 0}),
 }
 
 
@@ -93,7 +94,8 @@ def make_random_like(dest: Path, src: Path, seed: int = 0) -> Path:
 
 # a family's own settings at full size (make_family_like): Mistral 7B's window (wider than the benchmarks'
 # contexts, as in serving), Qwen's defaults (no window)
-FULL_SIZE = {"mistral": {"sliding_window": 4096}, "qwen2": {}, "qwen3": {}}
+FULL_SIZE = {"mistral": {"sliding_window": 4096}, "qwen2": {}, "qwen3": {}, "phi3": {"sliding_window": 2047,
+                                                                                   "pad_token_id": 0}}
 
 
 def make_family_like(dest: Path, src: Path, family: str, seed: int = 0) -> Path:

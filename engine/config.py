@@ -49,6 +49,7 @@ class ModelConfig:
     family: str = "llama"
     qkv_bias: bool = False                  # q, k, v projections have biases
     qk_norm: bool = False                   # RMSNorm of each q and k head before RoPE
+    fused_projections: bool = False         # qkv_proj / gate_up_proj in the checkpoint and its adapters
     layer_windows: tuple[int, ...] = ()     # keys each layer's tokens attend to (0 or absent: all)
 
     def window(self, layer: int) -> int:
@@ -91,7 +92,8 @@ class ModelConfig:
             max_model_len=min(model_len, max_model_len or model_len),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             eos_token_ids=_eos_ids(path, cfg), family=switches.family, qkv_bias=switches.qkv_bias,
-            qk_norm=switches.qk_norm, layer_windows=switches.layer_windows)
+            qk_norm=switches.qk_norm, fused_projections=switches.fused_projections,
+            layer_windows=switches.layer_windows)
 
 
 def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:

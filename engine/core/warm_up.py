@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.lora.host_adapter import module_shape
-from engine.lora.peft_config import MODULES, module_path
+from engine.lora.peft_config import model_modules, module_path
 from ipc.requests import GenerateRequest
 from ipc.sampling_params import SamplingParams
 
@@ -45,13 +45,13 @@ def warm_up(core) -> None:
 
 def write_adapter(d: Path, model, rank: int) -> None:
     """A PEFT adapter of zeros on every projection of every layer (its values do not matter here)."""
-    tensors = {}
+    tensors, modules = {}, model_modules(model.fused_projections)
     for layer in range(model.num_layers):
-        for m in MODULES:
+        for m in modules:
             n_in, n_out = module_shape(model, m)
             key = f"base_model.model.{module_path(layer, m)}"
             tensors[f"{key}.lora_A.weight"] = torch.zeros(rank, n_in, dtype=torch.bfloat16)
             tensors[f"{key}.lora_B.weight"] = torch.zeros(n_out, rank, dtype=torch.bfloat16)
     save_file(tensors, str(d / "adapter_model.safetensors"))
     (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": rank,
-                                                       "target_modules": list(MODULES), "bias": "none"}))
+                                                       "target_modules": list(modules), "bias": "none"}))

@@ -7,9 +7,14 @@ whatever the adapter's size, so a refusal is told at once and its `AdapterFiles`
 infinite values; the loader (engine/lora/loader.py) runs it off the step thread.
 `HostAdapter.modules[(layer, module)] = LoraModule(A [r, in], B [out, r], scale)` in the model dtype.
 Only safetensors are read; pickled `.bin` weights are refused.
+
+An adapter of a fused checkpoint (Phi-3: `qkv_proj`, `gate_up_proj`) becomes the kernels' projections
+here: q, k and v each take the fused module's A and their own rows of its B (B @ (A x) row by row is
+each projection's delta exactly), so nothing after this file knows fused modules.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 import struct
 from dataclasses import dataclass
@@ -20,7 +25,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
-from engine.lora.peft_config import MODULES, LoraSpec, module_path, read_spec
+from engine.lora.peft_config import FUSED, LoraSpec, model_modules, module_path, read_spec
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)"
                   r"\.lora_([AB])(?:\.\w+)?\.weight$")
@@ -67,6 +72,8 @@ class AdapterFiles:
     where: dict[tuple[int, str], tuple[tuple[str, int, int], ...]]  # -> (dtype, first, end byte) of A, B
     shapes: dict[tuple[int, str], tuple[int, int, int, float]]    # (layer, module) -> (rank, in, out, scale)
     signature: tuple[int, ...]                                    # the files' sizes and mtimes
+    rows: dict[tuple[int, str], tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # a piece of a fused module -> the rows [first, end) of the fused B that are its B
 
     def module_shapes(self) -> dict[tuple[int, str], tuple[int, int, int, float]]:
         return self.shapes
@@ -78,8 +85,11 @@ class AdapterFiles:
 
 
 def module_shape(cfg: ModelConfig, module: str) -> tuple[int, int]:
-    """(in, out) of a Llama projection."""
+    """(in, out) of a projection (or of a fused module: its pieces' outputs together)."""
     H, I = cfg.hidden_size, cfg.intermediate_size
+    if module in FUSED:
+        parts = [module_shape(cfg, m) for m in FUSED[module]]
+        return parts[0][0], sum(out for _, out in parts)
     return {"q_proj": (H, cfg.q_size), "k_proj": (H, cfg.kv_size), "v_proj": (H, cfg.kv_size),
             "o_proj": (cfg.q_size, H), "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}[module]
 
@@ -138,34 +148,44 @@ def describe_adapter(adapter_dir: str | Path, cfg: ModelConfig, max_rank: int,
     signature = files_signature(d)
     spec = spec or read_spec(d)
     f = weights_file(d)
+    served = model_modules(cfg.fused_projections)
     parts: dict[tuple[int, str], dict[str, tuple[str, dict]]] = {}
     for key, info in read_header(f).items():
         m = _KEY.match(key)
         if not m:
             raise ValueError(f"adapter: weight {key!r} is not supported (only LoRA A/B of "
-                             f"{', '.join(MODULES)}; no embedding or lm_head LoRA)")
+                             f"{', '.join(served)}; no embedding or lm_head LoRA)")
         layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
-        if module not in MODULES or layer >= cfg.num_layers:
+        if module not in served or layer >= cfg.num_layers:
             raise ValueError(f"adapter: weight {key!r} does not fit the base model "
-                             f"({cfg.num_layers} layers, modules {', '.join(MODULES)})")
+                             f"({cfg.num_layers} layers, modules {', '.join(served)})")
         parts.setdefault((layer, module), {})[ab] = (key, info)
     if not parts:
         raise ValueError(f"adapter: {f} holds no LoRA weights")
-    missing = sorted(set(spec.expected_modules(cfg.num_layers)) - set(parts))
+    missing = sorted(set(spec.expected_modules(cfg.num_layers, served)) - set(parts))
     if missing:
         layer, module = missing[0]
         raise ValueError(f"adapter: target_modules names {module} but {module_path(layer, module)} has no "
                          f"weights ({len(missing)} such modules missing)")
-    keys, shapes, where = {}, {}, {}
-    dims = {m: module_shape(cfg, m) for m in MODULES}
+    keys, shapes, where, rows = {}, {}, {}, {}
+    dims = {m: module_shape(cfg, m) for m in served}
     uniform = None if spec.rank_pattern or spec.alpha_pattern else (spec.r, spec.scale_for(""))
     for (layer, module), ab in sorted(parts.items()):
-        shapes[(layer, module)] = _check_module(dims[module], spec, uniform, layer, module, ab, max_rank)
+        r, n_in, _, scale = _check_module(dims[module], spec, uniform, layer, module, ab, max_rank)
         for key, info in ab.values():
             _check_extent(f, key, info, signature[2])
-        keys[(layer, module)] = (ab["A"][0], ab["B"][0])
-        where[(layer, module)] = tuple((ab[x][1]["dtype"], ab[x][1]["start"], ab[x][1]["end"]) for x in "AB")
-    return AdapterFiles(d, spec, f, keys, where, shapes, signature)
+        a_at, b_at = ((ab[x][1]["dtype"], ab[x][1]["start"], ab[x][1]["end"]) for x in "AB")
+        first = 0
+        for piece in FUSED.get(module, (module,)):      # a fused module: its projections, in row order
+            n = module_shape(cfg, piece)[1]
+            row_bytes = r * _ITEMSIZE[b_at[0]]
+            keys[(layer, piece)] = (ab["A"][0], ab["B"][0])
+            shapes[(layer, piece)] = (r, n_in, n, scale)
+            where[(layer, piece)] = (a_at, (b_at[0], b_at[1] + first * row_bytes, b_at[1] + (first + n) * row_bytes))
+            if module in FUSED:
+                rows[(layer, piece)] = (first, first + n)
+            first += n
+    return AdapterFiles(d, spec, f, keys, where, shapes, signature, rows)
 
 
 def _check_module(dims, spec, uniform, layer, module, ab, max_rank) -> tuple[int, int, int, float]:
@@ -217,6 +237,9 @@ def read_weights(files: AdapterFiles):
             except Exception as e:  # noqa: BLE001 - as above
                 raise ValueError(f"adapter: {files.weights} cannot be read: {e}") from None
             r, n_in, n_out, _ = files.shapes[key]
+            if key in files.rows:                  # a piece of a fused module: its rows of the fused B
+                first, end = files.rows[key]
+                b = b[first:end]
             if tuple(a.shape) != (r, n_in) or tuple(b.shape) != (n_out, r) or not a.is_floating_point() \
                     or not b.is_floating_point():
                 raise ValueError(f"adapter: {files.weights} changed on disk since it was registered "

@@ -10,10 +10,19 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-# Llama projection -> (group it joins in the fused base layer, input size, output size) by name.
+# The projections an adapter may target: the kernels' seven (what every adapter becomes), and the fused
+# modules of families whose checkpoints fuse them (Phi-3), each made of kernel projections in row order.
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+FUSED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _PREFIX = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "qkv_proj": "self_attn", "gate_up_proj": "mlp"}
+ALL_LINEAR = ("all-linear",)
+
+
+def model_modules(fused: bool) -> tuple[str, ...]:
+    """The modules a base model's adapters name: the fused ones for a fused checkpoint (Phi-3)."""
+    return FUSED_MODULES if fused else MODULES
 
 
 def module_path(layer: int, module: str) -> str:
@@ -31,12 +40,14 @@ class LoraSpec:
     target_modules: tuple[str, ...] | None
     layers: tuple[int, ...] | None
 
-    def expected_modules(self, num_layers: int) -> list[tuple[int, str]]:
-        """(layer, module) pairs the config promises weights for (empty when it names them by regex)."""
+    def expected_modules(self, num_layers: int, modules: tuple[str, ...] = MODULES) -> list[tuple[int, str]]:
+        """(layer, module) pairs the config promises weights for (empty when it names them by regex);
+        modules: the base model's (model_modules), what "all-linear" means."""
         if self.target_modules is None:
             return []
         layers = self.layers if self.layers is not None else range(num_layers)
-        return [(i, m) for i in layers for m in self.target_modules]
+        targets = modules if self.target_modules == ALL_LINEAR else self.target_modules
+        return [(i, m) for i in layers for m in targets]
 
     def rank_for(self, path: str) -> int:
         return _match(self.rank_pattern, path, self.r)
@@ -78,12 +89,13 @@ def read_spec(adapter_dir: str | Path) -> LoraSpec:
             raise ValueError(f"adapter: {key} is not supported")
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
-        bad = [t for t in targets if t.split(".")[-1] not in MODULES]
+        known = (*MODULES, *FUSED)
+        bad = [t for t in targets if t.split(".")[-1] not in known]
         if bad:
-            raise ValueError(f"adapter: target_modules {bad} are not supported (only {', '.join(MODULES)})")
+            raise ValueError(f"adapter: target_modules {bad} are not supported (only {', '.join(known)})")
         targets = tuple(sorted({t.split(".")[-1] for t in targets}))
     elif targets == "all-linear":
-        targets = MODULES
+        targets = ALL_LINEAR
     else:
         targets = None      # a regex: the weights present say which modules it matched
     layers = cfg.get("layers_to_transform")

@@ -14,6 +14,9 @@ Switches (all off: Llama):
   adapters' deltas as in the checkpoint's Linear.
 - qk_norm: RMSNorm of each head's q and k over head_dim before RoPE, one weight [head_dim] for q and one for
   k (Qwen3).
+- fused_projections: the checkpoint stores q, k, v as one `qkv_proj` and gate, up as one `gate_up_proj`
+  (Phi-3), and its PEFT adapters target those fused modules (engine/lora/host_adapter.py splits each into
+  the per-projection pieces the kernels take: the same A, B's rows of that projection).
 - layer windows: per layer, how many keys a token attends to (its own included): key j is visible to the
   query at position i iff i - window < j <= i; 0 is global attention (Mistral: every layer; Qwen2/Qwen3
   with `use_sliding_window`: the layers `layer_types` marks).
@@ -30,6 +33,7 @@ class Switches:
     family: str
     qkv_bias: bool = False
     qk_norm: bool = False
+    fused_projections: bool = False
     layer_windows: tuple[int, ...] = ()      # [num_layers]; 0: global attention
 
 
@@ -74,6 +78,15 @@ def _qwen3(cfg: dict) -> Switches:
     return Switches("qwen3", qkv_bias=bool(cfg.get("attention_bias")), qk_norm=True, layer_windows=_qwen_windows(cfg))
 
 
+def _phi3(cfg: dict) -> Switches:
+    rope = cfg.get("rope_parameters") or {}
+    partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0
+    if partial != 1.0:
+        raise ValueError(f"model: partial_rotary_factor {partial} (RoPE on part of each head) is not served")
+    return Switches("phi3", fused_projections=True,
+                    layer_windows=_windows(cfg, cfg.get("sliding_window") is not None))
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -87,6 +100,7 @@ FAMILIES = (
     Family("Mistral", ("mistral",), ("MistralForCausalLM",), _mistral),
     Family("Qwen2 / Qwen2.5", ("qwen2",), ("Qwen2ForCausalLM",), _qwen2),
     Family("Qwen3", ("qwen3",), ("Qwen3ForCausalLM",), _qwen3),
+    Family("Phi-3", ("phi3",), ("Phi3ForCausalLM",), _phi3),
 )
 
 

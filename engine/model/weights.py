@@ -61,22 +61,22 @@ def load_weights(cfg: ModelConfig, backend: Backend) -> LlamaWeights:
     layers = []
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        extra = {}
+        extra, qkv_parts = {}, (("q", q), ("k", kv), ("v", kv))
         if cfg.qkv_bias:
-            extra["qkv_bias"] = torch.cat([get(p + f"self_attn.{m}_proj.bias", (n,)) for m, n in (("q", q), ("k", kv),
-                                                                                                   ("v", kv))])
+            extra["qkv_bias"] = torch.cat([get(p + f"self_attn.{m}_proj.bias", (n,)) for m, n in qkv_parts])
         if cfg.qk_norm:
             extra["q_norm"] = get(p + "self_attn.q_norm.weight", (d,))
             extra["k_norm"] = get(p + "self_attn.k_norm.weight", (d,))
+        if cfg.fused_projections:        # Phi-3: the fused layout is the checkpoint's own
+            qkv = get(p + "self_attn.qkv_proj.weight", (q + 2 * kv, H))
+            gate_up = get(p + "mlp.gate_up_proj.weight", (2 * I, H))
+        else:
+            qkv = torch.cat([get(p + f"self_attn.{m}_proj.weight", (n, H)) for m, n in qkv_parts])
+            gate_up = torch.cat([get(p + "mlp.gate_proj.weight", (I, H)), get(p + "mlp.up_proj.weight", (I, H))])
         layers.append(LayerWeights(
-            input_norm=get(p + "input_layernorm.weight", (H,)),
-            qkv=linear(torch.cat([get(p + "self_attn.q_proj.weight", (q, H)),
-                           get(p + "self_attn.k_proj.weight", (kv, H)),
-                           get(p + "self_attn.v_proj.weight", (kv, H))])),
+            input_norm=get(p + "input_layernorm.weight", (H,)), qkv=linear(qkv),
             o=linear(get(p + "self_attn.o_proj.weight", (H, q))),
-            post_norm=get(p + "post_attention_layernorm.weight", (H,)),
-            gate_up=linear(torch.cat([get(p + "mlp.gate_proj.weight", (I, H)),
-                                      get(p + "mlp.up_proj.weight", (I, H))])),
+            post_norm=get(p + "post_attention_layernorm.weight", (H,)), gate_up=linear(gate_up),
             down=linear(get(p + "mlp.down_proj.weight", (H, I))), **extra))
     embed = get("model.embed_tokens.weight", (cfg.vocab_size, H))
     if cfg.tie_word_embeddings or "lm_head.weight" not in index:

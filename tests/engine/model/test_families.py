@@ -1,8 +1,9 @@
 """Every served family against transformers + PEFT: a tiny random model of the family built with
-transformers' own classes (3 layers, its switches on: Qwen2's q/k/v biases, Qwen3's q/k norms, a sliding
-window of 12 tokens on the windowed families' layers, smaller than prompt + output), PEFT adapters on every
-projection, base and adapter rows in one mixed batch; greedy float32 tokens equal to PEFT's on every
-backend, and bfloat16 (the CPU backend's fused C decoder where it runs) within PEFT's rounding."""
+transformers' own classes (3 layers, its switches on: Qwen2's q/k/v biases, Qwen3's q/k norms, Phi-3's
+fused qkv_proj / gate_up_proj, a sliding window of 12 tokens on the windowed families' layers, smaller than
+prompt + output), PEFT adapters on every projection (Phi-3's: on its fused modules), base and adapter rows
+in one mixed batch; greedy float32 tokens equal to PEFT's on every backend, and bfloat16 (the CPU
+backend's fused C decoder where it runs) within PEFT's rounding."""
 from __future__ import annotations
 
 import pytest
@@ -18,7 +19,23 @@ from tests.engine.test_backend_fidelity import PROMPTS, TINY_ADAPTERS
 from tests.kernels.backends import DEVICE, available_backends
 from tests.peft_adapters import make_adapters
 
-NEW = ("mistral", "qwen2", "qwen3")
+NEW = ("mistral", "qwen2", "qwen3", "phi3")
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+         "up_proj": "gate_up_proj"}
+
+
+def adapter_specs(family: str) -> dict[str, dict]:
+    """TINY_ADAPTERS on the family's modules: Phi-3's adapters target its fused qkv_proj / gate_up_proj."""
+    if family != "phi3":
+        return TINY_ADAPTERS
+    out = {}
+    for name, kw in TINY_ADAPTERS.items():
+        kw = dict(kw, target_modules=sorted({FUSED.get(m, m) for m in kw["target_modules"]}))
+        for key in ("rank_pattern", "alpha_pattern"):
+            if key in kw:
+                kw[key] = {FUSED.get(m, m): v for m, v in kw[key].items()}
+        out[name] = kw
+    return out
 
 
 @pytest.fixture(scope="module", params=NEW)
@@ -28,7 +45,7 @@ def family(request, tmp_path_factory, model_dir):
     d = tmp_path_factory.mktemp(f"tiny-{request.param}")
     make_tiny(d / "model", model_dir, request.param)
     model = AutoModelForCausalLM.from_pretrained(d / "model", dtype=torch.float32).eval()
-    oracle = make_adapters(model, d / "adapters", TINY_ADAPTERS, seed=3, std=0.4)
+    oracle = make_adapters(model, d / "adapters", adapter_specs(request.param), seed=3, std=0.4)
     return request.param, d, oracle
 
 
@@ -49,7 +66,8 @@ def test_the_tiny_models_have_their_families_switches(family):
     cfg = ModelConfig.from_dir(d / "model", torch.float32)
     assert cfg.family == name
     assert cfg.qkv_bias == (name == "qwen2") and cfg.qk_norm == (name == "qwen3")
-    assert cfg.layer_windows == ((WINDOW,) * 3 if name == "mistral" else (0, WINDOW, WINDOW))
+    assert cfg.fused_projections == (name == "phi3")
+    assert cfg.layer_windows == ((WINDOW,) * 3 if name in ("mistral", "phi3") else (0, WINDOW, WINDOW))
 
 
 @pytest.mark.parametrize("backend", available_backends())
@@ -85,7 +103,7 @@ def test_an_architecture_not_served_is_named_with_those_that_are():
     msg = str(e.value)
     assert "GPT2LMHeadModel" in msg and "does not serve" in msg
     assert all(arch in msg for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                        "Qwen3ForCausalLM"))
+                                        "Qwen3ForCausalLM", "Phi3ForCausalLM"))
 
 
 @pytest.mark.parametrize("cfg, windows", [
@@ -102,5 +120,31 @@ def test_windows_follow_each_familys_config(cfg, windows):
     assert describe(cfg).layer_windows == windows
 
 
+def test_phi3_with_partial_rotary_embedding_is_refused_by_name():
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        describe({"model_type": "phi3", "num_hidden_layers": 2, "rope_parameters": {"partial_rotary_factor": 0.75}})
+
+
 def test_families_of_the_tiny_builder_are_the_served_ones():
     assert set(FAMILIES) == {"llama", *NEW}
+
+
+@pytest.mark.parametrize("family, module, other", [("phi3", "q_proj", "qkv_proj"), ("qwen2", "qkv_proj", "q_proj")])
+def test_an_adapter_of_the_other_layout_is_refused_naming_the_modules(family, module, other, tmp_path, model_dir):
+    """Phi-3's adapters name its fused modules; an adapter naming q_proj does not fit it (and the other way)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from engine.lora.host_adapter import describe_adapter
+    d = make_tiny(tmp_path / "model", model_dir, family)
+    cfg = ModelConfig.from_dir(d, torch.float32)
+    a = tmp_path / "adapter"
+    a.mkdir()
+    key = f"base_model.model.model.layers.0.self_attn.{module}"
+    save_file({f"{key}.lora_A.weight": torch.ones(2, 64), f"{key}.lora_B.weight": torch.ones(128, 2)},
+              str(a / "adapter_model.safetensors"))
+    (a / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 2,
+                                                       "target_modules": [module]}))
+    with pytest.raises(ValueError, match=f"does not fit the base model.*{other}"):
+        describe_adapter(a, cfg, 64)
