@@ -38,6 +38,13 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"use_sliding_window": True, "sliding_window": WINDOW,
                                                   "max_window_layers": 1}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": WINDOW, "pad_token_id": 0}),
+    # soft-caps small enough to bite on a tiny model's scores and logits
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+                                                     "attn_logit_softcapping": 2.0, "final_logit_softcapping": 5.0,
+                                                     "pad_token_id": 0}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+                                                         "layer_types": ["sliding_attention", "full_attention",
+                                                                         "sliding_attention"], "pad_token_id": 0}),
 }
 
 
@@ -94,8 +101,10 @@ def make_random_like(dest: Path, src: Path, seed: int = 0) -> Path:
 
 # a family's own settings at full size (make_family_like): Mistral 7B's window (wider than the benchmarks'
 # contexts, as in serving), Qwen's defaults (no window)
-FULL_SIZE = {"mistral": {"sliding_window": 4096}, "qwen2": {}, "qwen3": {}, "phi3": {"sliding_window": 2047,
-                                                                                   "pad_token_id": 0}}
+FULL_SIZE = {"mistral": {"sliding_window": 4096}, "qwen2": {}, "qwen3": {},
+             "phi3": {"sliding_window": 2047, "pad_token_id": 0},
+             "gemma2": {"sliding_window": 4096, "query_pre_attn_scalar": 64, "pad_token_id": 0},
+             "gemma3": {"sliding_window": 512, "query_pre_attn_scalar": 64, "pad_token_id": 0}}
 
 
 def make_family_like(dest: Path, src: Path, family: str, seed: int = 0) -> Path:

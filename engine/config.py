@@ -51,6 +51,15 @@ class ModelConfig:
     qk_norm: bool = False                   # RMSNorm of each q and k head before RoPE
     fused_projections: bool = False         # qkv_proj / gate_up_proj in the checkpoint and its adapters
     layer_windows: tuple[int, ...] = ()     # keys each layer's tokens attend to (0 or absent: all)
+    local_rope_theta: float = 0.0           # the sliding layers' own RoPE (Gemma 3); 0: rope_theta's
+    local_rope_scaling: dict | None = None
+    norm_offset: bool = False               # Gemma: RMSNorm weights applied as 1 + w
+    sandwich_norms: bool = False            # Gemma: attention and MLP outputs normed before their adds
+    activation: str = "silu"                # "silu" or "gelu_tanh"
+    embed_scale: bool = False               # Gemma: embeddings times sqrt(hidden_size)
+    attn_scale: float = 0.0                 # 0: head_dim ** -0.5
+    attn_softcap: float = 0.0               # Gemma 2: scores -> cap * tanh(score / cap); 0: none
+    final_softcap: float = 0.0              # Gemma 2: the logits likewise
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s sliding window (0: global attention)."""
@@ -74,11 +83,8 @@ class ModelConfig:
         from engine.model.family import describe
         cfg = json.loads(cfg_file.read_text())
         switches = describe(cfg, str(cfg_file))
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"model: rope_type {rope_type!r} in {cfg_file} is not supported")
+        theta, scaling = switches.rope
+        local_theta, local_scaling = switches.local_rope or (0.0, None)
         heads = cfg["num_attention_heads"]
         model_len = cfg.get("max_position_embeddings", 2048)
         return cls(
@@ -87,13 +93,15 @@ class ModelConfig:
             num_layers=cfg["num_hidden_layers"], num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads", heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
-            rope_scaling=rope if rope_type == "llama3" else None,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
             max_model_len=min(model_len, max_model_len or model_len),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             eos_token_ids=_eos_ids(path, cfg), family=switches.family, qkv_bias=switches.qkv_bias,
             qk_norm=switches.qk_norm, fused_projections=switches.fused_projections,
-            layer_windows=switches.layer_windows)
+            layer_windows=switches.layer_windows, local_rope_theta=local_theta, local_rope_scaling=local_scaling,
+            norm_offset=switches.norm_offset, sandwich_norms=switches.sandwich_norms,
+            activation=switches.activation, embed_scale=switches.embed_scale, attn_scale=switches.attn_scale or 0.0,
+            attn_softcap=switches.attn_softcap, final_softcap=switches.final_softcap)
 
 
 def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:

@@ -125,9 +125,11 @@ class FusedDecoder(Protocol):
         """Whether run() takes this step (else the model runs the layers op by op)."""
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-            lora: LoraStep | None) -> torch.Tensor:
+            lora: LoraStep | None, local: tuple | None = None) -> torch.Tensor:
         """x: [T, H] the embeddings, updated in place to the residual stream before the last layer's MLP
-        residual add, which is returned ([T, H]; the caller adds it). cos, sin: [T, head_dim]."""
+        residual add, which is returned ([T, H]; the caller adds it). cos, sin: [T, head_dim]; local: the
+        sliding layers' own (cos, sin) where the model has them (Gemma 3), else None. The model's family
+        switches (engine/model/family.py) are the decoder's to honour, as the loop does."""
 
 
 class Backend(ABC):
@@ -188,6 +190,12 @@ class Backend(ABC):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for gate_up = [gate | up]: [T, 2I] -> [T, I]."""
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu(gate, tanh approximation) * up (Gemma's GeGLU), each op rounded to the dtype as torch's:
+        [T, 2I] -> [T, I]."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
     def add_bias(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """x + bias (a projection's bias, after its adapters' deltas): x [T, N], bias [N] -> [T, N], rounded
         once to x's dtype. May update x in place and return it (x is the step's own projection output)."""
@@ -215,10 +223,11 @@ class Backend(ABC):
 
     @abstractmethod
     def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  scale: float, window: int = 0) -> torch.Tensor:
+                  scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """Causal attention over the paged cache, the step's new K/V already written: q [T, heads, d] ->
         [T, heads, d]; query heads share KV heads in groups (GQA). window > 0: a row of length L (its query
-        at position L - 1) attends to its last `window` keys only, [max(0, L - window), L)."""
+        at position L - 1) attends to its last `window` keys only, [max(0, L - window), L). softcap > 0:
+        each score s = scale * q.k becomes softcap * tanh(s / softcap) before the softmax (Gemma 2)."""
 
     # -- multi-LoRA -------------------------------------------------------------------------------------
     def lora_packer(self) -> LoraPacker:

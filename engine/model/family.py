@@ -17,12 +17,19 @@ Switches (all off: Llama):
 - fused_projections: the checkpoint stores q, k, v as one `qkv_proj` and gate, up as one `gate_up_proj`
   (Phi-3), and its PEFT adapters target those fused modules (engine/lora/host_adapter.py splits each into
   the per-projection pieces the kernels take: the same A, B's rows of that projection).
+- Gemma's: norm_offset (RMSNorm weights applied as 1 + w), sandwich_norms (the attention's and the MLP's
+  outputs RMS-normed before their residual adds, the MLP's input by its own pre-feedforward norm),
+  activation "gelu_tanh" (GeGLU), embed_scale (embeddings times sqrt(hidden), rounded to the model dtype),
+  attn_scale (query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5), attn_softcap (attention scores
+  cap * tanh(score / cap), Gemma 2) and final_softcap (the logits likewise), and a RoPE of the sliding
+  layers' own (Gemma 3's local base).
 - layer windows: per layer, how many keys a token attends to (its own included): key j is visible to the
   query at position i iff i - window < j <= i; 0 is global attention (Mistral: every layer; Qwen2/Qwen3
   with `use_sliding_window`: the layers `layer_types` marks).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -35,6 +42,33 @@ class Switches:
     qk_norm: bool = False
     fused_projections: bool = False
     layer_windows: tuple[int, ...] = ()      # [num_layers]; 0: global attention
+    rope: tuple = (10000.0, None)            # (theta, llama3 / linear scaling or None) of every layer
+    local_rope: tuple | None = None          # the sliding layers' own (theta, scaling); None: `rope`
+    norm_offset: bool = False
+    sandwich_norms: bool = False
+    activation: str = "silu"                 # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    embed_scale: bool = False
+    attn_scale: float | None = None          # None: head_dim ** -0.5
+    attn_softcap: float = 0.0                # 0: none
+    final_softcap: float = 0.0
+
+
+def rope_of(params: dict, where: str = "config.json") -> tuple:
+    """(theta, scaling) from a rope parameter dict (`rope_parameters`, or `rope_scaling` plus `rope_theta`):
+    scaling None for the default RoPE, the dict for "llama3" and "linear"; other types refused by name."""
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "llama3", "linear"):
+        raise ValueError(f"model: rope_type {rope_type!r} in {where} is not supported")
+    return float(params.get("rope_theta", 10000.0)), (dict(params, rope_type=rope_type)
+                                                      if rope_type != "default" else None)
+
+
+def _rope(cfg: dict, where: str) -> tuple:
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    if "full_attention" in params:                 # per layer type (Gemma 3): the global layers'
+        params = dict(params["full_attention"])
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    return rope_of(params, where)
 
 
 def _windows(cfg: dict, sliding: bool) -> tuple[int, ...]:
@@ -87,6 +121,43 @@ def _phi3(cfg: dict) -> Switches:
                     layer_windows=_windows(cfg, cfg.get("sliding_window") is not None))
 
 
+def _gemma_types(cfg: dict, pattern: int) -> dict:
+    """cfg with `layer_types`: as given, else every `pattern`-th layer global (Gemma 2: 2, Gemma 3's
+    `sliding_window_pattern`: 6), the others sliding."""
+    if cfg.get("layer_types"):
+        return cfg
+    n = cfg["num_hidden_layers"]
+    return dict(cfg, layer_types=["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                  for i in range(n)])
+
+
+def _gemma(cfg: dict, name: str, pattern: int, **extra) -> Switches:
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("model: use_bidirectional_attention (not a causal language model) is not served")
+    if cfg.get("hidden_activation", cfg.get("hidden_act", "gelu_pytorch_tanh")) not in ("gelu_pytorch_tanh",
+                                                                                           "gelu_tanh"):
+        raise ValueError(f"model: hidden_activation {cfg.get('hidden_activation')!r} is not served")
+    scalar = cfg.get("query_pre_attn_scalar")
+    return Switches(name, layer_windows=_windows(_gemma_types(cfg, pattern), True), norm_offset=True,
+                    sandwich_norms=True, activation="gelu_tanh", embed_scale=True,
+                    attn_scale=float(scalar) ** -0.5 if scalar else None,
+                    final_softcap=float(cfg.get("final_logit_softcapping") or 0.0), **extra)
+
+
+def _gemma2(cfg: dict) -> Switches:
+    return _gemma(cfg, "gemma2", 2, attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0))
+
+
+def _gemma3(cfg: dict) -> Switches:
+    params = cfg.get("rope_parameters") or {}
+    if "sliding_attention" in params:
+        local = rope_of(dict(params["sliding_attention"]))
+    else:
+        local = (float(cfg.get("rope_local_base_freq", 10000.0)), None)
+    return _gemma(cfg, "gemma3", int(cfg.get("sliding_window_pattern") or 6), qk_norm=True,
+                  attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0), local_rope=local)
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -101,6 +172,8 @@ FAMILIES = (
     Family("Qwen2 / Qwen2.5", ("qwen2",), ("Qwen2ForCausalLM",), _qwen2),
     Family("Qwen3", ("qwen3",), ("Qwen3ForCausalLM",), _qwen3),
     Family("Phi-3", ("phi3",), ("Phi3ForCausalLM",), _phi3),
+    Family("Gemma 2", ("gemma2",), ("Gemma2ForCausalLM",), _gemma2),
+    Family("Gemma 3 (text)", ("gemma3_text",), ("Gemma3ForCausalLM",), _gemma3),
 )
 
 
@@ -114,6 +187,6 @@ def describe(cfg: dict, where: str = "config.json") -> Switches:
     model_type, archs = cfg.get("model_type"), cfg.get("architectures") or []
     for f in FAMILIES:
         if model_type in f.model_types or any(a in f.architectures for a in archs):
-            return f.describe(cfg)
+            return dataclasses.replace(f.describe(cfg), rope=_rope(cfg, where))
     raise ValueError(f"model: {where} describes {', '.join(archs) or model_type!r} (model_type={model_type!r}), "
                      f"which loraplex does not serve; served: {served()}")

@@ -26,11 +26,25 @@ class LlamaModel:
         self.cfg = cfg
         self.w = weights
         self.backend = backend
-        self.rope = Rope(cfg.head_dim, cfg.max_model_len, cfg.rope_theta, cfg.rope_scaling, cfg.dtype)
-        self.rope.cos, self.rope.sin = self.rope.cos.to(backend.device), self.rope.sin.to(backend.device)
-        self.scale = cfg.head_dim ** -0.5
+        self.rope = self._rope(cfg.rope_theta, cfg.rope_scaling)
+        # the sliding layers' own RoPE (Gemma 3), or None: every layer uses self.rope
+        self.local_rope = self._rope(cfg.local_rope_theta, cfg.local_rope_scaling) if cfg.local_rope_theta else None
+        self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
         self.use_fused_decoder = use_fused_decoder
         self._decoder: tuple[list, FusedDecoder | None] | None = None   # (the kv_caches it was built for, it)
+
+    def _rope(self, theta: float, scaling: dict | None) -> Rope:
+        rope = Rope(self.cfg.head_dim, self.cfg.max_model_len, theta, scaling, self.cfg.dtype)
+        rope.cos, rope.sin = rope.cos.to(self.backend.device), rope.sin.to(self.backend.device)
+        return rope
+
+    def tables(self, positions: torch.Tensor) -> tuple:
+        """(cos, sin) [T, head_dim] of every layer, and of the sliding layers when they have their own
+        RoPE (else None), gathered once a step."""
+        glob = (self.rope.cos[positions], self.rope.sin[positions])
+        if self.local_rope is None:
+            return glob, None
+        return glob, (self.local_rope.cos[positions], self.local_rope.sin[positions])
 
     def decoder(self, kv_caches) -> FusedDecoder | None:
         """The backend's fused whole-step decoder over these caches, or None where it has none (or
@@ -51,24 +65,34 @@ class LlamaModel:
         to project in pieces (prompt logprobs, see logits_of)."""
         cfg, ops = self.cfg, self.backend
         x = F.embedding(input_ids, self.w.embed)                     # [T, H], the residual stream
-        cos, sin = self.rope.cos[positions], self.rope.sin[positions]   # [T, head_dim]
+        if cfg.embed_scale:                                          # Gemma: sqrt(H), rounded to the dtype
+            x *= torch.tensor(cfg.hidden_size ** 0.5, dtype=x.dtype)
+        tables, local = self.tables(positions)                       # [T, head_dim] each
         decoder = self.decoder(kv_caches)
         if decoder is not None and decoder.accepts(meta, lora):
-            x += decoder.run(x, cos, sin, meta, lora)     # _layers' loop in one call: the same bits
+            x += decoder.run(x, *tables, meta, lora, local)   # _layers' loop in one call: the same bits
         else:
-            self._layers(x, cos, sin, meta, kv_caches, lora)
+            self._layers(x, tables, local, meta, kv_caches, lora)
         if hidden_indices is not None:
             hidden = ops.rms_norm(x[hidden_indices], self.w.norm, cfg.rms_norm_eps)
         x = ops.rms_norm(x[logits_indices], self.w.norm, cfg.rms_norm_eps)
-        logits = self.w.lm_head(x)
+        logits = self.softcap(self.w.lm_head(x))
         return logits if hidden_indices is None else (logits, hidden)
 
-    def _layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata, kv_caches,
+    def softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's final soft-cap, cap * tanh(logits / cap), in the logits' dtype (as transformers)."""
+        cap = self.cfg.final_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
+
+    def _layers(self, x: torch.Tensor, tables: tuple, local: tuple | None, meta: AttentionMetadata, kv_caches,
                 lora: LoraStep | None) -> None:
-        """The decoder layers, op by op: x [T, H] (the embeddings) becomes the final residual stream."""
+        """The decoder layers, op by op: x [T, H] (the embeddings) becomes the final residual stream.
+        tables: (cos, sin) [T, head_dim]; local: the sliding layers' own, or None."""
         cfg, ops, layers = self.cfg, self.backend, self.w.layers
+        act = ops.gelu_tanh_mul if cfg.activation == "gelu_tanh" else ops.silu_mul
         h = ops.rms_norm(x, layers[0].input_norm, cfg.rms_norm_eps)
         for i, layer in enumerate(layers):
+            cos, sin = local if local is not None and cfg.window(i) else tables
             qkv = project(layer.qkv, i, "qkv", h, lora)           # [T, q + 2kv]
             if layer.qkv_bias is not None:
                 qkv = ops.add_bias(qkv, layer.qkv_bias)
@@ -80,12 +104,15 @@ class LlamaModel:
             v = qkv[:, cfg.q_size + cfg.kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_caches[i]
             ops.write_kv(k_cache, v_cache, k, v, meta)
-            attn = ops.attention(q, k_cache, v_cache, meta, self.scale, cfg.window(i)).flatten(1)  # [T, q]
-            o = project(layer.o, i, "o", attn, lora)
+            attn = ops.attention(q, k_cache, v_cache, meta, self.scale, cfg.window(i), cfg.attn_softcap)
+            o = project(layer.o, i, "o", attn.flatten(1), lora)      # [T, H]
+            if layer.attn_out_norm is not None:                      # sandwich norms (Gemma)
+                o = ops.rms_norm(o, layer.attn_out_norm, cfg.rms_norm_eps)
             h = ops.add_rms_norm(x, o, layer.post_norm, cfg.rms_norm_eps)         # x += o
             gate_up = project(layer.gate_up, i, "gate_up", h, lora)  # [T, 2I]
-            act = ops.silu_mul(gate_up)                               # [T, I]
-            down = project(layer.down, i, "down", act, lora)
+            down = project(layer.down, i, "down", act(gate_up), lora)   # act: [T, I]
+            if layer.mlp_out_norm is not None:
+                down = ops.rms_norm(down, layer.mlp_out_norm, cfg.rms_norm_eps)
             if i + 1 < len(layers):
                 h = ops.add_rms_norm(x, down, layers[i + 1].input_norm, cfg.rms_norm_eps)   # x += down
             else:
@@ -94,4 +121,4 @@ class LlamaModel:
     @torch.inference_mode()
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """Normed hidden states [P, H] -> logits [P, vocab] fp32."""
-        return self.w.lm_head(hidden).float()
+        return self.softcap(self.w.lm_head(hidden)).float()

@@ -10,6 +10,8 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if not scaling:
         return inv
+    if scaling.get("rope_type") == "linear":            # positions divided by the factor
+        return inv / scaling["factor"]
     # llama3 frequency scaling
     factor = scaling["factor"]
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)

@@ -55,11 +55,11 @@ def write_kv_keys_last(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Te
 
 
 def tiled_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                    tiles: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                    tiles: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """q: [R, H, d]; k_cache [num_pages, kv_heads, d, block_size], v_cache [num_pages, block_size, kv_heads,
     d]: keys_last_views (one page stride); block_tables: [S, max_blocks] int32 pages of each request;
     tiles: [N, 4] int32 (request, first row, rows, first row's length), covering every row once
-    (kernels/attention_metadata.py); window: see Backend.attention -> out [R, H, d]."""
+    (kernels/attention_metadata.py); window, softcap: see Backend.attention -> out [R, H, d]."""
     r, h, d = q.shape
     n, kvh, hd, bs = k_cache.shape
     assert hd == d and v_cache.shape == (n, bs, kvh, d) and v_cache.stride(0) == k_cache.stride(0)
@@ -71,7 +71,7 @@ def tiled_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     rc = _tiled_fns()[q.dtype](q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0),
                                block_tables.data_ptr(), block_tables.shape[1], tiles.data_ptr(), tiles.shape[0], h,
-                               kvh, d, bs, scale, max(1, SPLIT_KEYS // bs), window)
+                               kvh, d, bs, scale, max(1, SPLIT_KEYS // bs), window, softcap)
     if rc != 0:
         raise RuntimeError(f"paged_tiled_attention failed with code {rc} (heads {h}, kv heads {kvh}, dim {d})")
     return out
@@ -129,10 +129,11 @@ def _check_paired(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, in
 
 
 def paired_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     lens: torch.Tensor, scale: float, window: int = 0) -> torch.Tensor:
+                     lens: torch.Tensor, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Every row over its own prefix, over paired views (see paired_views): q [D, H, d] bf16 (each row's
     heads contiguous; rows at any stride, e.g. a view of the fused qkv); block_tables [D, max_blocks]
-    int64 each row's pages; lens [D] int64 each row's length; window: see Backend.attention -> out [D, H, d]."""
+    int64 each row's pages; lens [D] int64 each row's length; window, softcap: see Backend.attention ->
+    out [D, H, d]."""
     kvh, d, bs, page_stride = _check_paired(k_cache, v_cache)
     rows, h, qd = q.shape
     assert qd == d and q.dtype == torch.bfloat16 and h % kvh == 0
@@ -145,7 +146,7 @@ def paired_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     rc = _paired_fns()["attention"](q.data_ptr(), q.stride(0), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                     page_stride,
                                     block_tables.data_ptr(), block_tables.shape[1], lens.data_ptr(), rows, h, kvh, d,
-                                    bs, scale, window)
+                                    bs, scale, window, softcap)
     if rc != 0:
         raise RuntimeError(f"paired_attention failed with code {rc} (heads {h}, kv heads {kvh}, dim {d}, block {bs})")
     return out

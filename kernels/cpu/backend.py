@@ -90,6 +90,9 @@ class CpuBackend(TorchBackend):
     def silu_mul(self, gate_up):
         return elementwise.silu_mul(gate_up) if self.fused_ops else super().silu_mul(gate_up)
 
+    def gelu_tanh_mul(self, gate_up):
+        return elementwise.silu_mul(gate_up, "gelu_tanh_mul") if self.fused_ops else super().gelu_tanh_mul(gate_up)
+
     def rope(self, x, cos, sin):
         # in place: x is a view of this step's fused qkv
         return elementwise.rope_(x, cos, sin) if self.fused_ops else super().rope(x, cos, sin)
@@ -104,15 +107,16 @@ class CpuBackend(TorchBackend):
         else:
             super().write_kv(k_cache, v_cache, k, v, meta)
 
-    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0):
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0,
+                  softcap: float = 0.0):
         if self.kv_mode == KvMode.ROWS:
-            return super().attention(q, k_cache, v_cache, meta, scale, window)
+            return super().attention(q, k_cache, v_cache, meta, scale, window, softcap)
         assert not meta.prefills and meta.num_decode == q.shape[0], "the C kernels take every token as a row"
         if self.kv_mode == KvMode.PAIRED:
             return c_attention.paired_attention(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens,
-                                                scale, window)
+                                                scale, window, softcap)
         return c_attention.tiled_attention(q, k_cache, v_cache, meta.seq_block_tables, meta.query_tiles, scale,
-                                           window)
+                                           window, softcap)
 
     # -- multi-LoRA ------------------------------------------------------------------------------------
     def lora_packer(self) -> GroupPacker:

@@ -14,7 +14,7 @@ _SILU = [P, I64, P, I64, I64, I]
 _ROPE = [P, I64, I64, I, I, P, P]
 _GEMM = [P, I64, P, P, I64, I, I, I]                                # x, xs, packed, y, ys, M, K, N
 _LORA = [P, I64, P, I64, P, P, P, I, P, I, I, I, P, P]   # x, xs, y, ys, tok, slot, rank, n, a, R, G, in, b, out
-_TILED = [P, P, P, P, I64, P, I64, P, I, I, I, I, I, F, I, I64]
+_TILED = [P, P, P, P, I64, P, I64, P, I, I, I, I, I, F, I, I64, F]
 
 # library -> {function: (return type, argument types)}
 LIBRARIES: dict[str, dict[str, tuple]] = {
@@ -22,6 +22,7 @@ LIBRARIES: dict[str, dict[str, tuple]] = {
         "rms_norm_bf16": (VOID, _NORM), "rms_norm_f32": (VOID, _NORM),
         "add_rms_norm_bf16": (VOID, _ADD_NORM), "add_rms_norm_f32": (VOID, _ADD_NORM),
         "silu_mul_bf16": (VOID, _SILU), "silu_mul_f32": (VOID, _SILU),
+        "gelu_tanh_mul_bf16": (VOID, _SILU), "gelu_tanh_mul_f32": (VOID, _SILU),
         "rope_bf16": (VOID, _ROPE), "rope_f32": (VOID, _ROPE),
         "write_kv": (VOID, [P, I64, P, I64, P, P, I64, P, P, I64, I64]),
         "argmax_bf16": (VOID, [P, I64, I64, I64, P]),
@@ -34,7 +35,7 @@ LIBRARIES: dict[str, dict[str, tuple]] = {
     "lora_pack": {"pack_lora": (INT, [P, P, I, P, I])},
     "attention_tiled": {"paged_tiled_attention_bf16": (INT, _TILED), "paged_tiled_attention_f32": (INT, _TILED)},
     "attention_avx512bf16": {
-        "paired_attention_bf16": (INT, [P, I64, P, P, P, I64, P, I64, P, I, I, I, I, I, F, I64]),
+        "paired_attention_bf16": (INT, [P, I64, P, P, P, I64, P, I64, P, I, I, I, I, I, F, I64, F]),
         "write_kv_paired_bf16": (INT, [P, I64, P, I64, P, P, I64, P, P, I64, I, I, I]),
     },
     "decoder": {"decoder_layers_bf16": (INT, [P])},

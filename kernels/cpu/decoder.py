@@ -24,7 +24,8 @@ from kernels.cpu.build import has_avx512_bf16, load_functions
 class _Layer(ctypes.Structure):
     _fields_ = [(n, ctypes.c_void_p) for n in ("qkv", "o", "gate_up", "down", "input_norm", "post_norm",
                                                "k_cache", "v_cache", "qkv_bias", "q_norm", "k_norm")] + [
-        ("window", ctypes.c_int64)]
+        ("window", ctypes.c_int64), ("attn_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p),
+        ("local_rope", ctypes.c_int64)]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -45,7 +46,8 @@ class _Args(ctypes.Structure):
                                                   "vp")]
                 + [("vp_stride", ctypes.c_int64)]
                 + [(n, ctypes.c_void_p) for n in ("seg_tok", "seg_start", "seg_slot", "seg_rank")]
-                + [("n_seg", ctypes.c_int)])
+                + [("n_seg", ctypes.c_int), ("local_cos", ctypes.c_void_p), ("local_sin", ctypes.c_void_p),
+                   ("softcap", ctypes.c_float), ("gelu", ctypes.c_int)])
 
 
 @dataclass
@@ -86,7 +88,8 @@ class Decoder:
         self.layers = (_Layer * len(layers))(*[
             _Layer(w.qkv.c.packed_ptr, w.o.c.packed_ptr, w.gate_up.c.packed_ptr, w.down.c.packed_ptr,
                    w.input_norm.data_ptr(), w.post_norm.data_ptr(), k.data_ptr(), v.data_ptr(), _ptr(w.qkv_bias),
-                   _ptr(w.q_norm), _ptr(w.k_norm), cfg.window(i))
+                   _ptr(w.q_norm), _ptr(w.k_norm), cfg.window(i), _ptr(w.attn_out_norm), _ptr(w.mlp_out_norm),
+                   int(bool(cfg.window(i) and cfg.local_rope_theta)))
             for i, (w, (k, v)) in enumerate(zip(layers, kv_caches))])
         self._keep = (layers, kv_caches)       # the memory behind the pointers above
 
@@ -99,7 +102,7 @@ class Decoder:
             for lin in (w.qkv, w.o, w.gate_up, w.down):   # packed for gemm_avx512bf16.c (not the AVX2 layout)
                 if lin.c is None or lin.c.fns is not c_gemm.variant("avx512bf16"):
                     return None
-            extras = [t for t in (w.qkv_bias, w.q_norm, w.k_norm) if t is not None]
+            extras = [t for t in (w.qkv_bias, w.q_norm, w.k_norm, w.attn_out_norm, w.mlp_out_norm) if t is not None]
             if not all(t.is_contiguous() and t.dtype == torch.bfloat16 for t in [w.input_norm, w.post_norm, *extras]):
                 return None
         return cls(cfg, layers, kv_caches)
@@ -142,18 +145,20 @@ class Decoder:
         """Every step whose adapters (a LoraBatch) the C kernels cover (for_decoder)."""
         return lora is None or lora.for_decoder() is not None
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, lora=None) -> torch.Tensor:
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, lora=None,
+            local: tuple | None = None) -> torch.Tensor:
         """x: [T, H] bf16 contiguous (the embeddings), updated in place to the residual stream after the last
         layer's attention and MLP but before its residual add, which is returned ([T, H]: the caller adds it,
         as the layer loop does). cos, sin: [T, d]; meta: the step's AttentionMetadata (the paired layout:
         every token a row of decode_block_tables / decode_lens). lora: the step's LoraBatch (None: none),
-        which accepts() took."""
+        which accepts() took. local: the sliding layers' own (cos, sin) [T, d], or None."""
         lora = lora.for_decoder() if lora is not None else None
         cfg = self.cfg
         t, hdim = x.shape
         assert x.is_contiguous() and x.dtype == torch.bfloat16 and hdim == cfg.hidden_size
         assert meta.num_decode == t and not meta.prefills
         cos, sin = cos.contiguous(), sin.contiguous()
+        local = tuple(t.contiguous() for t in local) if local is not None else None
         tables = meta.decode_block_tables.to(torch.int64).contiguous()
         lens = meta.decode_lens.to(torch.int64).contiguous()
         pages = meta.slot_page.to(torch.int64).contiguous()
@@ -165,11 +170,14 @@ class Decoder:
                 "act": new(i2 // 2), "down": new(hdim)}
         k = self.k_view
         args = _Args(self.num_layers, t, hdim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-                     k.shape[3], k.stride(0), tables.shape[1], cfg.rms_norm_eps, cfg.head_dim ** -0.5,
+                     k.shape[3], k.stride(0), tables.shape[1], cfg.rms_norm_eps, cfg.attn_scale or cfg.head_dim ** -0.5,
                      ctypes.addressof(self.layers), x.data_ptr(), *(b.data_ptr() for b in bufs.values()),
                      cos.data_ptr(), sin.data_ptr(), pages.data_ptr(), offs.data_ptr(), tables.data_ptr(),
                      lens.data_ptr())
         keep = self._set_lora(args, lora, t) if lora is not None else None   # noqa: F841 (alive until the call returns)
+        if local is not None:
+            args.local_cos, args.local_sin = local[0].data_ptr(), local[1].data_ptr()
+        args.softcap, args.gelu = cfg.attn_softcap, int(cfg.activation == "gelu_tanh")
         rc = _fn()(ctypes.addressof(args))
         if rc != 0:
             raise RuntimeError(f"decoder_layers_bf16 failed with code {rc}")

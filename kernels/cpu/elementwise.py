@@ -1,4 +1,5 @@
-"""ctypes binding of the fused elementwise ops (elementwise.c): rms_norm, add_rms_norm, silu_mul, rope_,
+"""ctypes binding of the fused elementwise ops (elementwise.c): rms_norm, add_rms_norm, silu_mul,
+gelu_tanh_mul, rope_,
 write_kv, and argmax over bf16 rows.
 
 Each equals the torch expression named in its docstring, rounding included. Requires supports(dtype).
@@ -17,7 +18,7 @@ def _fns():
     global _FNS
     if _FNS is False:
         _FNS = {}
-        for op in ("rms_norm", "add_rms_norm", "silu_mul", "rope"):
+        for op in ("rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "rope"):
             fns = load_functions("elementwise", {dt: f"{op}_{sfx}" for dt, sfx in _SUFFIX.items()})
             if fns is None:
                 _FNS = None
@@ -61,13 +62,13 @@ def add_rms_norm(x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: fl
     return out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up: [T, 2I] -> F.silu(gate) * up, [T, I], where gate, up = gate_up.chunk(2, -1)."""
+def silu_mul(gate_up: torch.Tensor, op: str = "silu_mul") -> torch.Tensor:
+    """gate_up: [T, 2I] -> F.silu(gate) * up, [T, I], where gate, up = gate_up.chunk(2, -1) (op
+    "gelu_tanh_mul": F.gelu(gate, approximate="tanh") * up)."""
     _rows(gate_up)
     t, two_i = gate_up.shape
     out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
-    _fns()[("silu_mul", gate_up.dtype)](gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), t,
-                                        two_i // 2)
+    _fns()[(op, gate_up.dtype)](gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), out.stride(0), t, two_i // 2)
     return out
 
 

@@ -39,8 +39,23 @@ def decode_mask(meta: AttentionMetadata, block_size: int, dtype: torch.dtype, wi
     return meta.decode_masks[window]
 
 
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+         softcap: float = 0.0) -> torch.Tensor:
+    """SDPA, or with a soft-cap the same in plain ops (SDPA has none): q [B, kvh, n, d] (GQA groups as
+    rows), k, v [B, kvh, L, d]; mask additive or bool [.., n, L], None: causal over the last n keys."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    s = torch.tanh(s / softcap) * softcap
+    n, length = s.shape[-2:]
+    if mask is None:
+        mask = torch.ones(n, length, dtype=torch.bool, device=s.device).tril(length - n)
+    s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    return (s.softmax(-1) @ v.float()).to(q.dtype)
+
+
 def decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                scale: float, window: int = 0) -> torch.Tensor:
+                scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """The first meta.num_decode rows of q [T, heads, d], each over its own prefix -> [D, heads, d]."""
     d = meta.num_decode
     kvh, head_dim = k_cache.shape[-2:]
@@ -49,7 +64,7 @@ def decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m
     k = gather(k_cache, meta.decode_block_tables)          # [D, kvh, L, d]
     v = gather(v_cache, meta.decode_block_tables)
     mask = decode_mask(meta, k_cache.shape[1], q.dtype, window)
-    o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)
+    o = sdpa(qd, k, v, mask, scale, softcap)
     return o.reshape(d, -1, head_dim)
 
 
@@ -65,7 +80,7 @@ def window_mask(p, window: int) -> torch.Tensor | None:
 
 
 def prefill_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                 scale: float, out: torch.Tensor, window: int = 0) -> None:
+                 scale: float, out: torch.Tensor, window: int = 0, softcap: float = 0.0) -> None:
     """Every PrefillSeq's queries, causal over its context (within the window), written into out
     [T, heads, d]."""
     for p in meta.prefills:
@@ -73,16 +88,23 @@ def prefill_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         k = gather(k_cache, p.block_table[None])[:, :, : p.ctx_len]     # [1, kvh, ctx, d]
         v = gather(v_cache, p.block_table[None])[:, :, : p.ctx_len]
         mask = window_mask(p, window)
-        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, is_causal=mask is None,
-                                           scale=scale, enable_gqa=True)
+        if softcap:           # the query heads sharing a KV head as its rows: [1, kvh, group * n, d]
+            kvh, n = k.shape[1], qp.shape[2]
+            qg = qp.view(1, kvh, -1, n, qp.shape[-1]).flatten(2, 3)
+            full = torch.ones(n, p.ctx_len, dtype=torch.bool, device=qp.device).tril(p.ctx_len - n) \
+                if mask is None else mask
+            o = sdpa(qg, k, v, full.repeat(qg.shape[2] // n, 1), scale, softcap).view(qp.shape)
+        else:
+            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, is_causal=mask is None,
+                                               scale=scale, enable_gqa=True)
         out[p.q_start:p.q_end] = o.squeeze(0).transpose(0, 1)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, window: int = 0) -> torch.Tensor:
-    """q: [T, heads, head_dim] -> out: [T, heads, head_dim]; window: see Backend.attention."""
+                    scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """q: [T, heads, head_dim] -> out: [T, heads, head_dim]; window, softcap: see Backend.attention."""
     out = torch.empty_like(q)
     if meta.num_decode:
-        out[:meta.num_decode] = decode_rows(q, k_cache, v_cache, meta, scale, window)
-    prefill_rows(q, k_cache, v_cache, meta, scale, out, window)
+        out[:meta.num_decode] = decode_rows(q, k_cache, v_cache, meta, scale, window, softcap)
+    prefill_rows(q, k_cache, v_cache, meta, scale, out, window, softcap)
     return out

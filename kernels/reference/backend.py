@@ -56,8 +56,9 @@ class TorchBackend(Backend):
     def write_kv(self, k_cache, v_cache, k, v, meta: AttentionMetadata) -> None:
         attention.write_kv(k_cache, v_cache, k, v, meta)
 
-    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0):
-        return attention.paged_attention(q, k_cache, v_cache, meta, scale, window)
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0,
+                  softcap: float = 0.0):
+        return attention.paged_attention(q, k_cache, v_cache, meta, scale, window, softcap)
 
     def lora_slots(self, num_slots: int, max_rank: int, shape: ModelShape, storage: torch.Tensor) -> LoraSlots:
         return LoraSlots(num_slots, max_rank, shape, storage)

@@ -46,10 +46,11 @@ class TritonBackend(TorchBackend):
     def query_tile_rows(self) -> int:
         return self._tile_rows
 
-    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0):
+    def attention(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int = 0,
+                  softcap: float = 0.0):
         assert not meta.prefills and meta.num_decode == q.shape[0], "every token is a row here"
         return self._paged_attention(q, k_cache, v_cache, meta.seq_block_tables, meta.query_tiles,
-                                     meta.max_tile_rows, scale, meta.max_context, window=window)
+                                     meta.max_tile_rows, scale, meta.max_context, window=window, softcap=softcap)
 
     def lora_slots(self, num_slots: int, max_rank: int, shape: ModelShape, storage: torch.Tensor):
         return self._paged_lora.PagedAdapters(shape, storage)

@@ -10,6 +10,7 @@ through each request's block table, query rows taken in tiles so that a tile rea
                   Invariant: the tiles cover every row exactly once, 1 <= n <= tile_rows, l0 >= 1.
     window:       > 0: a row of length L attends to its last `window` tokens only, [L - window, L) (a
                   sliding window; keys before the tile's first window are not visited); 0: all.
+    softcap:      > 0: each score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2).
     -> out [R, H, d]: softmax(scale * q k^T) v over each row's tokens, fp32 inside.
 
 A decode token is a tile of one row; a prefill chunk of n tokens is ceil(n / tile_rows) tiles.
@@ -34,11 +35,11 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _paged_attention_kernel(q_ptr, o_ptr, k_ptr, v_ptr, table_ptr, tiles_ptr, part_ptr, page_stride, tok_stride,
-                            table_stride, scale_log2, rows, window, H: tl.constexpr, G: tl.constexpr,
+                            table_stride, scale_log2, rows, window, cap_log2, H: tl.constexpr, G: tl.constexpr,
                             GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                             WIDEN: tl.constexpr, SPLIT_KEYS: tl.constexpr, PARTIALS: tl.constexpr,
-                            SLIDING: tl.constexpr):
+                            SLIDING: tl.constexpr, SOFTCAP: tl.constexpr):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -88,6 +89,8 @@ def _paged_attention_kernel(q_ptr, o_ptr, k_ptr, v_ptr, table_ptr, tiles_ptr, pa
             kt = kt.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, kt, input_precision=PRECISION) * scale_log2                     # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:         # cap * tanh(s / cap), in base 2 as s is (cap_log2 = cap * log2 e)
+            s = cap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s / cap_log2) + 1.0))
         visible = keys[None, :] < row_end[:, None]
         if SLIDING:
             visible = visible & (keys[None, :] >= row_start[:, None])
@@ -174,10 +177,10 @@ def num_splits(num_tiles: int, kv_heads: int, max_len: int, split_keys: int = SP
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     tiles: torch.Tensor, max_rows: int, scale: float, max_len: int = 0,
-                    split_keys: int = SPLIT_KEYS, window: int = 0) -> torch.Tensor:
+                    split_keys: int = SPLIT_KEYS, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """See the module docstring for shapes; max_rows: the most rows any tile has (sizes the program);
     max_len: the longest row's length (0: unknown, no split); split_keys: keys a split (num_splits);
-    window: the sliding window (0: none)."""
+    window: the sliding window (0: none); softcap: the scores' soft-cap (0: none)."""
     rows, heads, d = q.shape
     _, bs, kvh, hd = k_cache.shape
     if hd != d or heads % kvh:
@@ -196,9 +199,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     part = torch.empty(splits * rows * heads * (dp + 2) if splits > 1 else 1, dtype=torch.float32, device=q.device)
     _paged_attention_kernel[(tiles.shape[0], kvh, splits)](
         q, out, k_cache, v_cache, block_tables, tiles, part, k_cache.stride(0), kvh * d, block_tables.stride(0),
-        scale * LOG2E, rows, window, H=heads, G=heads // kvh, GP=gp, D=d, DP=dp, BS=bs, BLOCK_M=block_m,
-        BLOCK_N=BLOCK_N, PRECISION=precision, WIDEN=_interpreting(), SPLIT_KEYS=split_keys,
-        PARTIALS=splits > 1, SLIDING=window > 0, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        scale * LOG2E, rows, window, softcap * LOG2E, H=heads, G=heads // kvh, GP=gp, D=d, DP=dp, BS=bs,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, PRECISION=precision, WIDEN=_interpreting(), SPLIT_KEYS=split_keys,
+        PARTIALS=splits > 1, SLIDING=window > 0, SOFTCAP=softcap > 0, num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES)
     if splits > 1:
         _combine_splits_kernel[(tiles.shape[0], heads)](out, tiles, part, rows, H=heads, D=d, DP=dp,
                                                         SPLIT_KEYS=split_keys)

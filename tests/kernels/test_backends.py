@@ -86,7 +86,7 @@ def make_meta(seqs, tables, bs, b) -> AttentionMetadata:
     return meta
 
 
-def run_attention(b, dtype, steps, tables, bs=16, pages=24, layers=2, window=0):
+def run_attention(b, dtype, steps, tables, bs=16, pages=24, layers=2, window=0, softcap=0.0):
     """Write each step's K/V through the backend and attend: the outputs of every step of layer 1."""
     s = SHAPE
     storage = torch.zeros(pages, layers * 2 * bs * s.num_kv_heads * s.head_dim, dtype=dtype, device=DEVICE)
@@ -99,7 +99,7 @@ def run_attention(b, dtype, steps, tables, bs=16, pages=24, layers=2, window=0):
         v = randn(t, s.num_kv_heads, s.head_dim, dtype=dtype, seed=10 * i + 2)
         meta = make_meta(seqs, tables, bs, b)
         b.write_kv(k_cache, v_cache, k, v, meta)
-        outs.append(b.attention(q, k_cache, v_cache, meta, s.head_dim ** -0.5, window))
+        outs.append(b.attention(q, k_cache, v_cache, meta, s.head_dim ** -0.5, window, softcap))
     return outs
 
 
@@ -125,6 +125,37 @@ def test_sliding_window_attention_over_chunked_prefill_and_decode(name, dtype, w
     for got, want in zip(run_attention(backend(name, dtype), dtype, steps, tables, window=window),
                          run_attention(backend("torch", dtype), dtype, steps, tables, window=window)):
         close(got, want, dtype)
+
+
+@pytest.mark.parametrize("name", overriding("write_kv", "attention", "kv_caches"))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [0, 7])
+def test_soft_capped_attention_over_chunked_prefill_and_decode(name, dtype, window):
+    """Gemma 2's score soft-cap (a cap of 0.5 bites on these scores), alone and with a window."""
+    tables = [[5, 17, 2], [9, 0, 21, 3], [12, 7, 19]]
+    steps = [[(0, 20), (0, 33), (0, 9)], [(20, 1), (33, 1), (9, 14)], [(21, 1), (34, 1), (23, 1)]]
+    for got, want in zip(run_attention(backend(name, dtype), dtype, steps, tables, window=window, softcap=0.5),
+                         run_attention(backend("torch", dtype), dtype, steps, tables, window=window, softcap=0.5)):
+        close(got, want, dtype)
+
+
+def test_the_reference_soft_cap_is_tanh_of_the_scores():
+    """The oracle itself: a capped prompt of 9 against softmax(cap * tanh(s / cap)) written out."""
+    s, cap = SHAPE, 0.5
+    b = backend("torch", torch.float32)
+    storage = torch.zeros(4, 2 * 2 * 16 * s.num_kv_heads * s.head_dim, device=DEVICE)
+    k_cache, v_cache = b.kv_caches(storage, 2, 16, s.num_kv_heads, s.head_dim)[0]
+    q, k, v = (randn(9, n, s.head_dim, dtype=torch.float32, seed=i)
+               for i, n in enumerate((s.num_heads, s.num_kv_heads, s.num_kv_heads)))
+    meta = make_meta([(0, 9)], [[2]], 16, b)
+    b.write_kv(k_cache, v_cache, k, v, meta)
+    got = b.attention(q, k_cache, v_cache, meta, 0.25, 0, cap).cpu()
+    group = s.num_heads // s.num_kv_heads
+    for i in (0, 4, 8):
+        for h in range(s.num_heads):
+            raw = k[: i + 1, h // group].cpu() @ q[i, h].cpu() * 0.25
+            p = (torch.tanh(raw / cap) * cap).softmax(0)
+            torch.testing.assert_close(got[i, h], p @ v[: i + 1, h // group].cpu(), atol=1e-5, rtol=1e-5)
 
 
 def test_the_reference_window_is_a_dense_softmax_over_the_last_keys():

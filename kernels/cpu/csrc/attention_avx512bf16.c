@@ -13,7 +13,8 @@
  * out [D, H, d] bf16 contiguous; tables [D, max_blocks] int64; lens [D] int64 (>= 1).
  * Each row is one query token over the first lens[row] tokens of its sequence (decode tokens, and
  * prefill tokens each over its own prefix); with window > 0, over the last `window` of them only
- * ([lens[row] - window, lens[row]): a sliding window), the blocks before them not read. Scores and
+ * ([lens[row] - window, lens[row]): a sliding window), the blocks before them not read. With softcap
+ * > 0 each score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2). Scores and
  * softmax in fp32; P is rounded to bf16 for P @ V (as flash attention does); the output is rounded once. Parallel over rows with OpenMP.
  *
  * write_kv_paired_bf16: token t's K and V ([T, KVH * d] rows at a stride) into page pages[t], slot
@@ -158,8 +159,8 @@ static inline __attribute__((always_inline)) void pv_block(__m512 acc[QG][4], co
  * window; the blocks before lo's are not read, and the probabilities of lo's block before lo are 0) */
 static inline __attribute__((always_inline)) void head_group(
         const uint16_t *q, uint16_t *out, const uint16_t *k, const uint16_t *v, int64_t page_stride,
-        const int64_t *table, int64_t len, int64_t lo, int G, int d, int bs, float scale, int h, int g0,
-        float *s, uint32_t *p32, line_cursor *cur, const int gn) {
+        const int64_t *table, int64_t len, int64_t lo, int G, int d, int bs, float scale, float cap, int h,
+        int g0, float *s, uint32_t *p32, line_cursor *cur, const int gn) {
     const int64_t nblocks = (len + bs - 1) / bs, ss = (len + 15) / 16 * 16, ps32 = ss / 2;
     const int64_t b0 = lo / bs, t0 = b0 * bs;             /* the first block read, its first token */
     const int64_t piece = (int64_t)bs * d;                 /* elements of one head's K (or V) in a block */
@@ -185,8 +186,12 @@ static inline __attribute__((always_inline)) void head_group(
     }
     for (int g = 0; g < gn; g++) {
         float *sg = s + g * ss, total = 0.f;
-        const float m = _mm512_reduce_max_ps(mxv[g]);
+        float m = _mm512_reduce_max_ps(mxv[g]);
         for (int64_t t = t0; t < lo; t++) sg[t] = 0.f;
+        if (cap > 0.f) {           /* tanh is increasing: the capped max is the max capped */
+            m = cap * tanhf(m / cap);
+            for (int64_t t = lo; t < len; t++) sg[t] = cap * tanhf(sg[t] / cap);
+        }
         for (int64_t t = lo; t < len; t++) { sg[t] = expf(sg[t] - m); total += sg[t]; }
         sum[g] = total;
         if (len % 2) sg[len] = 0.f;
@@ -224,7 +229,8 @@ static inline __attribute__((always_inline)) void head_group(
  * thread's scratch could not be allocated. No barrier: the caller waits for all threads' rows. */
 static int attention_rows(const uint16_t *q, int64_t q_stride, uint16_t *out, const uint16_t *k, const uint16_t *v,
                           int64_t page_stride, const int64_t *tables, int64_t max_blocks, const int64_t *lens, int D,
-                          int H, int KVH, int d, int bs, float scale, int64_t window, int first, int nth) {
+                          int H, int KVH, int d, int bs, float scale, int64_t window, float cap, int first,
+                          int nth) {
     const int G = H / KVH;
     if (first < D) {   /* the first row's first lines: no row before it prefetched them */
         line_cursor c = cursor_of(k, v, page_stride, tables + (int64_t)first * max_blocks, lens[first], bs, d, KVH);
@@ -247,10 +253,10 @@ static int attention_rows(const uint16_t *q, int64_t q_stride, uint16_t *out, co
         for (int h = 0; h < KVH; h++)
             for (int g0 = 0; g0 < G; g0 += QG) {
                 switch (G - g0 < QG ? G - g0 : QG) {   /* a specialised copy per group size */
-                case 1: head_group(qr, outr, k, v, page_stride, table, len, lo, G, d, bs, scale, h, g0, s, p32, &cur, 1); break;
-                case 2: head_group(qr, outr, k, v, page_stride, table, len, lo, G, d, bs, scale, h, g0, s, p32, &cur, 2); break;
-                case 3: head_group(qr, outr, k, v, page_stride, table, len, lo, G, d, bs, scale, h, g0, s, p32, &cur, 3); break;
-                default: head_group(qr, outr, k, v, page_stride, table, len, lo, G, d, bs, scale, h, g0, s, p32, &cur, 4); break;
+                case 1: head_group(qr, outr, k, v, page_stride, table, len, lo, G, d, bs, scale, cap, h, g0, s, p32, &cur, 1); break;
+                case 2: head_group(qr, outr, k, v, page_stride, table, len, lo, G, d, bs, scale, cap, h, g0, s, p32, &cur, 2); break;
+                case 3: head_group(qr, outr, k, v, page_stride, table, len, lo, G, d, bs, scale, cap, h, g0, s, p32, &cur, 3); break;
+                default: head_group(qr, outr, k, v, page_stride, table, len, lo, G, d, bs, scale, cap, h, g0, s, p32, &cur, 4); break;
                 }
             }
     }
@@ -265,13 +271,13 @@ static int attention_shape_ok(int H, int KVH, int d, int bs) {
 
 int paired_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, const uint16_t *k, const uint16_t *v, int64_t page_stride,
                           const int64_t *tables, int64_t max_blocks, const int64_t *lens, int D, int H, int KVH, int d,
-                          int bs, float scale, int64_t window) {
+                          int bs, float scale, int64_t window, float softcap) {
     if (!attention_shape_ok(H, KVH, d, bs)) return -1;
     int failed = 0;
 #pragma omp parallel
     {
         const int rc = attention_rows(q, q_stride, out, k, v, page_stride, tables, max_blocks, lens, D, H, KVH, d, bs,
-                                      scale, window, omp_get_thread_num(), omp_get_num_threads());
+                                      scale, window, softcap, omp_get_thread_num(), omp_get_num_threads());
         if (rc) {
 #pragma omp atomic write
             failed = rc;
@@ -282,8 +288,8 @@ int paired_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, co
 #else
 int paired_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, const uint16_t *k, const uint16_t *v, int64_t page_stride,
                           const int64_t *tables, int64_t max_blocks, const int64_t *lens, int D, int H, int KVH, int d,
-                          int bs, float scale, int64_t window) {
-    (void)window; (void)q; (void)q_stride; (void)out; (void)k; (void)v; (void)page_stride; (void)tables; (void)max_blocks; (void)lens; (void)D;
+                          int bs, float scale, int64_t window, float softcap) {
+    (void)window; (void)softcap; (void)q; (void)q_stride; (void)out; (void)k; (void)v; (void)page_stride; (void)tables; (void)max_blocks; (void)lens; (void)D;
     (void)H; (void)KVH; (void)d; (void)bs; (void)scale;
     return -3;   /* built without AVX512-BF16: attention.py never calls it then */
 }

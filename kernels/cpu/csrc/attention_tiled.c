@@ -10,6 +10,7 @@
  *           l0 + i tokens of request s. The tiles cover every row once; n >= 1, l0 >= 1.
  * window:   > 0: a row of length L attends to its last `window` tokens only, [L - window, L) (a sliding
  *           window; blocks before every row's window are not read); 0: to all.
+ * softcap:  > 0: each score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2).
  *
  * A tile's query vectors (rows x heads) sharing a KV head are taken 4 at a time. Per K/V block: K widened
  * to fp32 as stored, keys last ([KVH, d, 16-key chunks]; the cache keeps K that way so that no transpose
@@ -85,6 +86,7 @@ typedef struct {
     float *acc, *mx, *sum, *score, *kt, *vf;
     int n, H, KVH, d, bs;
     int64_t l0, k0, L, window;
+    float cap;
 } Tile;
 
 /* how many of the split's keys row i attends to */
@@ -159,6 +161,8 @@ static void softmax_rows(const Tile *T) {
         for (int j = 0; j < T->H; j++) {
             const int64_t q = (int64_t)i * T->H + j;
             float *s = T->score + q * T->L, m = -FLT_MAX, total = 0.f;
+            if (T->cap > 0.f)
+                for (int64_t t = lo; t < len; t++) s[t] = T->cap * tanhf(s[t] / T->cap);
             for (int64_t t = lo; t < len; t++) m = s[t] > m ? s[t] : m;
             for (int64_t t = 0; t < lo && t < len; t++) s[t] = 0.f;
             for (int64_t t = lo; t < len; t++) { s[t] = expf(s[t] - m); total += s[t]; }
@@ -218,14 +222,14 @@ typedef struct { int tile, split; int64_t offset; } Task;
 #define DEFINE_TILED(NAME, TYPE, LOAD, STORE)                                                                 \
 static int NAME##_split(const TYPE *q, const TYPE *k, const TYPE *v, int64_t page_stride, const int32_t *table,\
                         int r0, int n, int l0, int64_t k0, int64_t span, int H, int KVH, int d, int bs,       \
-                        float scale, int64_t window, float *part) {                                           \
+                        float scale, int64_t window, float cap, float *part) {                                \
     const int row = KVH * d, blocked = d % 16 == 0;                                                           \
     const int64_t nblocks = (span + bs - 1) / bs, hd = (int64_t)H * d, ks = (int64_t)((bs + 15) / 16) * 16;  \
     float *buf = (float *)malloc(sizeof(float) * (n * hd + (int64_t)n * H * span + (int64_t)row * (ks + bs)));\
     if (!buf) return 1;                                                                                       \
     Tile T = {buf, part, part + n * hd, part + n * hd + (int64_t)n * H, buf + n * hd,                          \
               buf + n * hd + (int64_t)n * H * span, buf + n * hd + (int64_t)n * H * span + (int64_t)row * ks,  \
-              n, H, KVH, d, bs, l0, k0, span, window};                                                        \
+              n, H, KVH, d, bs, l0, k0, span, window, cap};                                                   \
     for (int64_t e = 0; e < n * hd; e++) { buf[e] = LOAD(q[(int64_t)r0 * hd + e]) * scale; T.acc[e] = 0.f; }  \
     const int64_t b0 = local_lo(&T, 0) / bs;           /* blocks before row 0's window: no row reads them */ \
     for (int64_t b = b0; b < nblocks; b++) {                                                                  \
@@ -251,7 +255,7 @@ static int NAME##_split(const TYPE *q, const TYPE *k, const TYPE *v, int64_t pag
                                                                                                               \
 int NAME(const TYPE *q, TYPE *out, const TYPE *k, const TYPE *v, int64_t page_stride, const int32_t *tables, \
          int64_t max_blocks, const int32_t *tiles, int num_tiles, int H, int KVH, int d, int bs, float scale,  \
-         int split_blocks, int64_t window) {                                                                  \
+         int split_blocks, int64_t window, float softcap) {                                                   \
     if (H > MAX_HEADS || d > MAX_DIM || bs > MAX_BLOCK || H % KVH || split_blocks < 1) return -1;             \
     const int64_t S = (int64_t)split_blocks * bs, hd = (int64_t)H * d;                                       \
     int64_t ntasks = 0, words = 0;                                                                            \
@@ -277,7 +281,8 @@ int NAME(const TYPE *q, TYPE *out, const TYPE *k, const TYPE *v, int64_t page_st
         const int32_t *tile = tiles + 4 * (int64_t)tasks[t].tile;                                             \
         const int64_t L = (int64_t)tile[3] + tile[2] - 1, k0 = (int64_t)tasks[t].split * S;                  \
         if (NAME##_split(q, k, v, page_stride, tables + (int64_t)tile[0] * max_blocks, tile[1], tile[2], tile[3], \
-                         k0, L - k0 < S ? L - k0 : S, H, KVH, d, bs, scale, window, part + tasks[t].offset))  \
+                         k0, L - k0 < S ? L - k0 : S, H, KVH, d, bs, scale, window, softcap,                  \
+                         part + tasks[t].offset))                                                             \
             failed = 1;                                                                                       \
     }                                                                                                         \
     if (!failed) {                                                                                            \

@@ -5,9 +5,11 @@
  * and the stages are separated by barriers, so the result has exactly the bits of the per-op path. Per
  * layer:
  *
- *   qkv = h @ Wqkv^T (+ its bias); q/k head norms; rope(q, k); K/V -> cache; attn = attention(q) (in the
- *   layer's sliding window, if it has one); o = attn @ Wo^T;
- *   x += o, h = rms_norm(x); act = silu(gate) * up of h @ Wgate_up^T; down = act @ Wdown^T;
+ *   qkv = h @ Wqkv^T (+ its bias); q/k head norms; rope(q, k) (the sliding layers' own tables where the
+ *   model has them); K/V -> cache; attn = attention(q) (in the layer's sliding window, soft-capped, if
+ *   the model says so); o = attn @ Wo^T (then rms_norm(o) with sandwich norms);
+ *   x += o, h = rms_norm(x); act = silu(gate) * up (or gelu_tanh(gate) * up) of h @ Wgate_up^T;
+ *   down = act @ Wdown^T (then rms_norm(down) with sandwich norms);
  *   x += down, h = rms_norm(x) with the next layer's weight (the last layer leaves x += down to the caller).
  *
  * Before the first layer h = rms_norm(x) with its input norm. Shapes: x, h, o, down [T, H]; qkv
@@ -43,6 +45,8 @@ typedef struct {
     const uint16_t *qkv_bias;                   /* [Q + 2 KV], or NULL: none (the family's switches, */
     const uint16_t *q_norm, *k_norm;            /* engine/model/family.py); [d] each, or NULL: none */
     int64_t window;                             /* the layer's sliding window; 0: global attention */
+    const uint16_t *attn_out_norm, *mlp_out_norm;   /* [H] sandwich norms (Gemma), or NULL: none */
+    int64_t local_rope;                         /* 1: rope with the args' local tables (Gemma 3's sliding layers) */
 } decoder_layer;
 
 typedef struct decoder_args {
@@ -59,6 +63,9 @@ typedef struct decoder_args {
     int64_t vp_stride;
     const int64_t *seg_tok, *seg_start, *seg_slot, *seg_rank;   /* lora_segments_bf16's segments */
     int n_seg;
+    const uint16_t *local_cos, *local_sin;      /* [T, d] the sliding layers' own RoPE tables, or NULL */
+    float softcap;                              /* attention scores' soft-cap (Gemma 2); 0: none */
+    int gelu;                                   /* 1: GeGLU (gelu_tanh(gate) * up); 0: SwiGLU */
 } decoder_args;
 
 /* What one thread needs besides the arguments: the rows with an adapter, its prefetch walker. */
@@ -96,18 +103,22 @@ static int layer(const decoder_args *a, const step_state *st, int l, int t, int 
     project(a, st, l, 0, a->h, H, w->qkv, a->qkv, N);
     if (w->qkv_bias) add_bias_for_bf16(a->qkv, N, w->qkv_bias, T, N);
     if (w->q_norm) head_norms_for_bf16(a->qkv, N, T, a->heads, a->kv_heads, d, w->q_norm, w->k_norm, a->eps);
-    rope_for_bf16(a->qkv, N, T, a->heads + a->kv_heads, d, a->cos, a->sin);
+    const int local = w->local_rope && a->local_cos;
+    rope_for_bf16(a->qkv, N, T, a->heads + a->kv_heads, d, local ? a->local_cos : a->cos, local ? a->local_sin : a->sin);
     write_kv_paired_for(a->qkv + Q, N, a->qkv + Q + KV, N, (uint16_t *)w->k_cache, (uint16_t *)w->v_cache,
                         a->page_stride, a->pages, a->offs, T, a->kv_heads, d, a->block_size);
     const int rc = attention_rows(a->qkv, N, a->attn, w->k_cache, w->v_cache, a->page_stride, a->tables,
                                   a->max_blocks, a->lens, T, a->heads, a->kv_heads, d, a->block_size, a->scale,
-                                  w->window, t, nth);
+                                  w->window, a->softcap, t, nth);
 #pragma omp barrier
     project(a, st, l, 1, a->attn, Q, w->o, a->o, H);
+    if (w->attn_out_norm) rms_norm_for_bf16(a->o, H, w->attn_out_norm, a->o, H, T, H, a->eps);
     add_rms_norm_for_bf16(a->x, H, a->o, H, w->post_norm, a->h, H, T, H, a->eps);
     project(a, st, l, 2, a->h, H, w->gate_up, a->gate_up, I2);
-    silu_mul_for_bf16(a->gate_up, I2, a->act, a->I, T, a->I);
+    if (a->gelu) gelu_tanh_mul_for_bf16(a->gate_up, I2, a->act, a->I, T, a->I);
+    else silu_mul_for_bf16(a->gate_up, I2, a->act, a->I, T, a->I);
     project(a, st, l, 3, a->act, a->I, w->down, a->down, H);
+    if (w->mlp_out_norm) rms_norm_for_bf16(a->down, H, w->mlp_out_norm, a->down, H, T, H, a->eps);
     if (l + 1 < a->num_layers)
         add_rms_norm_for_bf16(a->x, H, a->down, H, a->layers[l + 1].input_norm, a->h, H, T, H, a->eps);
     return rc;

@@ -6,6 +6,7 @@
  * add_rms_norm: x[t] <- to_dtype(x[t] + d[t]) in place (the residual add), then out[t] = rms_norm(x[t])
  * silu_mul:  out[t, i] = silu(gu[t, i]) * gu[t, I + i]                    gu: [T, 2I]; out: [T, I]
  *            (bf16 on AVX512-BF16: 16 at a time, with a polynomial e^x)
+ * gelu_tanh_mul: out[t, i] = gelu_tanh(gu[t, i]) * gu[t, I + i]          (Gemma's GeGLU; scalar tanhf)
  * rope:      x[t, h] <- x * cos[t] + rotate_half(x) * sin[t] in place     x: [T, heads, d]; cos, sin: [T, d]
  * write_kv:  the K and V rows ([T, n] at a stride) of token t into page pages[t], row offs[t] of the
  *            caches (a page's block is [block_size, n] at cache + page * page_stride)
@@ -28,6 +29,12 @@ static inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
  * said outright here, as -ffast-math leaves infinities undefined */
 static inline float silu(float a) {
     return a < -EXP_MAX_ARG ? a * 0.f : a / (1.f + expf(-a));
+}
+
+/* torch's gelu(approximate="tanh"): 0.5 a (1 + tanh(sqrt(2 / pi) (a + 0.044715 a^3))) */
+static inline float gelu_tanh(float a) {
+    const float beta = 0.7978845608028654f, kappa = 0.044715f;
+    return 0.5f * a * (1.f + tanhf(beta * (a + kappa * a * a * a)));
 }
 
 #define DEFINE_OPS(SUFFIX, T, LOAD, STORE, ROUND)                                                            \
@@ -102,6 +109,16 @@ static void silu_mul_for_##SUFFIX(const T *gu, int64_t gu_stride, T *out, int64_
     }                                                                                                         \
 }                                                                                                             \
                                                                                                               \
+static void gelu_tanh_mul_for_##SUFFIX(const T *gu, int64_t gu_stride, T *out, int64_t out_stride,           \
+                                       int64_t rows, int I) {                                                 \
+    _Pragma("omp for schedule(static)")                                                                       \
+    for (int64_t t = 0; t < rows; t++) {                                                                      \
+        const T *g = gu + t * gu_stride, *u = g + I;                                                          \
+        T *ot = out + t * out_stride;                                                                         \
+        for (int i = 0; i < I; i++) ot[i] = STORE(ROUND(gelu_tanh(LOAD(g[i]))) * LOAD(u[i]));                 \
+    }                                                                                                         \
+}                                                                                                             \
+                                                                                                              \
 static void rope_for_##SUFFIX(T *x, int64_t row_stride, int64_t rows, int heads, int d, const T *cos,         \
                               const T *sin) {                                                                 \
     const int half = d / 2;                                                                                   \
@@ -132,6 +149,9 @@ void add_rms_norm_##SUFFIX(T *x, int64_t x_stride, const T *d, int64_t d_stride,
 }                                                                                                             \
 void silu_mul_##SUFFIX(const T *gu, int64_t gu_stride, T *out, int64_t out_stride, int64_t rows, int I) {     \
     _Pragma("omp parallel") silu_mul_for_##SUFFIX(gu, gu_stride, out, out_stride, rows, I);                   \
+}                                                                                                             \
+void gelu_tanh_mul_##SUFFIX(const T *gu, int64_t gu_stride, T *out, int64_t out_stride, int64_t rows, int I) {\
+    _Pragma("omp parallel") gelu_tanh_mul_for_##SUFFIX(gu, gu_stride, out, out_stride, rows, I);              \
 }                                                                                                             \
 void rope_##SUFFIX(T *x, int64_t row_stride, int64_t rows, int heads, int d, const T *cos, const T *sin) {   \
     _Pragma("omp parallel") rope_for_##SUFFIX(x, row_stride, rows, heads, d, cos, sin);                       \

@@ -25,6 +25,9 @@ void add_rms_norm_f32(float *x, int64_t x_stride, const float *d, int64_t d_stri
                       int64_t out_stride, int64_t rows, int H, float eps);
 void silu_mul_bf16(const uint16_t *gu, int64_t gu_stride, uint16_t *out, int64_t out_stride, int64_t rows, int I);
 void silu_mul_f32(const float *gu, int64_t gu_stride, float *out, int64_t out_stride, int64_t rows, int I);
+void gelu_tanh_mul_bf16(const uint16_t *gu, int64_t gu_stride, uint16_t *out, int64_t out_stride, int64_t rows,
+                        int I);
+void gelu_tanh_mul_f32(const float *gu, int64_t gu_stride, float *out, int64_t out_stride, int64_t rows, int I);
 void rope_bf16(uint16_t *x, int64_t row_stride, int64_t rows, int heads, int d, const uint16_t *cos,
                const uint16_t *sin);
 void rope_f32(float *x, int64_t row_stride, int64_t rows, int heads, int d, const float *cos, const float *sin);
@@ -57,13 +60,14 @@ int pack_lora(const uint8_t *data, const struct pack_piece *pieces, int n, void 
 int paged_tiled_attention_bf16(const uint16_t *q, uint16_t *out, const uint16_t *k, const uint16_t *v,
                                int64_t page_stride, const int32_t *tables, int64_t max_blocks, const int32_t *tiles,
                                int num_tiles, int H, int KVH, int d, int bs, float scale, int split_blocks,
-                               int64_t window);
+                               int64_t window, float softcap);
 int paged_tiled_attention_f32(const float *q, float *out, const float *k, const float *v, int64_t page_stride,
                               const int32_t *tables, int64_t max_blocks, const int32_t *tiles, int num_tiles, int H,
-                              int KVH, int d, int bs, float scale, int split_blocks, int64_t window);
+                              int KVH, int d, int bs, float scale, int split_blocks, int64_t window,
+                              float softcap);
 int paired_attention_bf16(const uint16_t *q, int64_t q_stride, uint16_t *out, const uint16_t *k, const uint16_t *v,
                           int64_t page_stride, const int64_t *tables, int64_t max_blocks, const int64_t *lens, int D,
-                          int H, int KVH, int d, int bs, float scale, int64_t window);
+                          int H, int KVH, int d, int bs, float scale, int64_t window, float softcap);
 int write_kv_paired_bf16(const uint16_t *k, int64_t k_stride, const uint16_t *v, int64_t v_stride, uint16_t *k_cache,
                          uint16_t *v_cache, int64_t page_stride, const int64_t *pages, const int64_t *offs, int64_t rows,
                          int KVH, int d, int bs);

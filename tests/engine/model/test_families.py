@@ -1,6 +1,8 @@
 """Every served family against transformers + PEFT: a tiny random model of the family built with
 transformers' own classes (3 layers, its switches on: Qwen2's q/k/v biases, Qwen3's q/k norms, Phi-3's
-fused qkv_proj / gate_up_proj, a sliding window of 12 tokens on the windowed families' layers, smaller than
+fused qkv_proj / gate_up_proj, Gemma's (1 + w) and sandwich norms, GeGLU, scaled embeddings, its query
+scale, Gemma 2's score and logit soft-caps (small enough to bite), Gemma 3's q/k norms and local RoPE base,
+a sliding window of 12 tokens on the windowed families' layers, smaller than
 prompt + output), PEFT adapters on every projection (Phi-3's: on its fused modules), base and adapter rows
 in one mixed batch; greedy float32 tokens equal to PEFT's on every backend, and bfloat16 (the CPU
 backend's fused C decoder where it runs) within PEFT's rounding."""
@@ -19,7 +21,7 @@ from tests.engine.test_backend_fidelity import PROMPTS, TINY_ADAPTERS
 from tests.kernels.backends import DEVICE, available_backends
 from tests.peft_adapters import make_adapters
 
-NEW = ("mistral", "qwen2", "qwen3", "phi3")
+NEW = ("mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
          "up_proj": "gate_up_proj"}
 
@@ -65,9 +67,16 @@ def test_the_tiny_models_have_their_families_switches(family):
     name, d, _ = family
     cfg = ModelConfig.from_dir(d / "model", torch.float32)
     assert cfg.family == name
-    assert cfg.qkv_bias == (name == "qwen2") and cfg.qk_norm == (name == "qwen3")
+    gemma = name.startswith("gemma")
+    assert cfg.qkv_bias == (name == "qwen2") and cfg.qk_norm == (name in ("qwen3", "gemma3"))
     assert cfg.fused_projections == (name == "phi3")
-    assert cfg.layer_windows == ((WINDOW,) * 3 if name in ("mistral", "phi3") else (0, WINDOW, WINDOW))
+    assert (cfg.norm_offset, cfg.sandwich_norms, cfg.embed_scale, cfg.activation == "gelu_tanh") == (gemma,) * 4
+    assert (cfg.attn_softcap, cfg.final_softcap) == ((2.0, 5.0) if name == "gemma2" else (0.0, 0.0))
+    assert cfg.attn_scale == (24 ** -0.5 if gemma else 0.0)
+    assert cfg.local_rope_theta == (10000.0 if name == "gemma3" else 0.0)
+    windows = {"mistral": (WINDOW,) * 3, "phi3": (WINDOW,) * 3, "gemma2": (WINDOW, 0, WINDOW),
+               "gemma3": (WINDOW, 0, WINDOW)}
+    assert cfg.layer_windows == windows.get(name, (0, WINDOW, WINDOW))
 
 
 @pytest.mark.parametrize("backend", available_backends())
@@ -103,7 +112,8 @@ def test_an_architecture_not_served_is_named_with_those_that_are():
     msg = str(e.value)
     assert "GPT2LMHeadModel" in msg and "does not serve" in msg
     assert all(arch in msg for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                        "Qwen3ForCausalLM", "Phi3ForCausalLM"))
+                                        "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
+                                        "Gemma3ForCausalLM"))
 
 
 @pytest.mark.parametrize("cfg, windows", [
@@ -115,6 +125,9 @@ def test_an_architecture_not_served_is_named_with_those_that_are():
       "max_window_layers": 2}, (0, 0, 64)),
     ({"model_type": "qwen3", "num_hidden_layers": 2, "sliding_window": 8, "use_sliding_window": True,
       "layer_types": ["sliding_attention", "full_attention"]}, (8, 0)),
+    ({"model_type": "gemma2", "num_hidden_layers": 4, "sliding_window": 16}, (16, 0, 16, 0)),       # older configs
+    ({"model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": 16, "sliding_window_pattern": 6},
+     (16, 16, 16, 16, 16, 0, 16)),
 ])
 def test_windows_follow_each_familys_config(cfg, windows):
     assert describe(cfg).layer_windows == windows

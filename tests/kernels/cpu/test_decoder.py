@@ -74,7 +74,7 @@ def test_same_bits_with_adapters(llm, adapter_dir, calls):
     assert calls["runs"] == runs and calls["loops"] > 0
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_same_bits_with_each_familys_switches(family, tmp_path_factory, model_dir, calls):
     """q/k/v biases (Qwen2), q/k norms (Qwen3) and sliding windows of 12 tokens (all three, on some layers)
     inside the C decoder: the op-by-op bits over prompts longer than the window."""
