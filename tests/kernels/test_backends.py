@@ -103,28 +103,30 @@ def run_attention(b, dtype, steps, tables, bs=16, pages=24, layers=2, window=0, 
     return outs
 
 
+TABLES = [[5, 17, 2], [9, 0, 21, 3], [12, 7, 19]]
+STEPS = [[(0, 20), (0, 33), (0, 9)], [(20, 1), (33, 1), (9, 14)], [(21, 1), (34, 1), (23, 1)]]
+
+
+def like_the_reference(name, dtype, **kw):
+    """Three requests over scattered pages: whole prompts, then a decode, a decode and a prompt's second
+    chunk in one step, then decodes; every step's output as the reference backend's."""
+    for got, want in zip(run_attention(backend(name, dtype), dtype, STEPS, TABLES, **kw),
+                         run_attention(backend("torch", dtype), dtype, STEPS, TABLES, **kw)):
+        close(got, want, dtype)
+
+
 @pytest.mark.parametrize("name", overriding("write_kv", "attention", "kv_caches"))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_write_kv_and_attention_over_chunked_prefill_and_decode(name, dtype):
-    """Three requests over scattered pages: whole prompts, then a decode, a decode and a prompt's second
-    chunk in one step, then decodes."""
-    tables = [[5, 17, 2], [9, 0, 21, 3], [12, 7, 19]]
-    steps = [[(0, 20), (0, 33), (0, 9)], [(20, 1), (33, 1), (9, 14)], [(21, 1), (34, 1), (23, 1)]]
-    for got, want in zip(run_attention(backend(name, dtype), dtype, steps, tables),
-                         run_attention(backend("torch", dtype), dtype, steps, tables)):
-        close(got, want, dtype)
+    like_the_reference(name, dtype)
 
 
 @pytest.mark.parametrize("name", overriding("write_kv", "attention", "kv_caches"))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [1, 7, 16, 40])
 def test_sliding_window_attention_over_chunked_prefill_and_decode(name, dtype, window):
-    """The same steps with a sliding window: inside one block, one block, and wider than some contexts."""
-    tables = [[5, 17, 2], [9, 0, 21, 3], [12, 7, 19]]
-    steps = [[(0, 20), (0, 33), (0, 9)], [(20, 1), (33, 1), (9, 14)], [(21, 1), (34, 1), (23, 1)]]
-    for got, want in zip(run_attention(backend(name, dtype), dtype, steps, tables, window=window),
-                         run_attention(backend("torch", dtype), dtype, steps, tables, window=window)):
-        close(got, want, dtype)
+    """A sliding window inside one block, of one block, and wider than some contexts."""
+    like_the_reference(name, dtype, window=window)
 
 
 @pytest.mark.parametrize("name", overriding("write_kv", "attention", "kv_caches"))
@@ -132,52 +134,53 @@ def test_sliding_window_attention_over_chunked_prefill_and_decode(name, dtype, w
 @pytest.mark.parametrize("window", [0, 7])
 def test_soft_capped_attention_over_chunked_prefill_and_decode(name, dtype, window):
     """Gemma 2's score soft-cap (a cap of 0.5 bites on these scores), alone and with a window."""
-    tables = [[5, 17, 2], [9, 0, 21, 3], [12, 7, 19]]
-    steps = [[(0, 20), (0, 33), (0, 9)], [(20, 1), (33, 1), (9, 14)], [(21, 1), (34, 1), (23, 1)]]
-    for got, want in zip(run_attention(backend(name, dtype), dtype, steps, tables, window=window, softcap=0.5),
-                         run_attention(backend("torch", dtype), dtype, steps, tables, window=window, softcap=0.5)):
-        close(got, want, dtype)
+    like_the_reference(name, dtype, window=window, softcap=0.5)
+
+
+def one_request(n: int):
+    """The reference backend, one layer's caches and random q, k, v of n tokens of one request."""
+    s = SHAPE
+    b = backend("torch", torch.float32)
+    storage = torch.zeros(8, 2 * 2 * 16 * s.num_kv_heads * s.head_dim, device=DEVICE)
+    k_cache, v_cache = b.kv_caches(storage, 2, 16, s.num_kv_heads, s.head_dim)[0]
+    q, k, v = (randn(n, h, s.head_dim, dtype=torch.float32, seed=i)
+               for i, h in enumerate((s.num_heads, s.num_kv_heads, s.num_kv_heads)))
+    return b, k_cache, v_cache, q, k, v
+
+
+def dense(q, k, v, i, keys, scale, cap=0.0) -> torch.Tensor:
+    """Row i's attention written out over `keys`: [heads, d]."""
+    group = SHAPE.num_heads // SHAPE.num_kv_heads
+    out = []
+    for h in range(SHAPE.num_heads):
+        raw = k[keys, h // group].cpu() @ q[i, h].cpu() * scale
+        out.append((torch.tanh(raw / cap) * cap if cap else raw).softmax(0) @ v[keys, h // group].cpu())
+    return torch.stack(out)
 
 
 def test_the_reference_soft_cap_is_tanh_of_the_scores():
     """The oracle itself: a capped prompt of 9 against softmax(cap * tanh(s / cap)) written out."""
-    s, cap = SHAPE, 0.5
-    b = backend("torch", torch.float32)
-    storage = torch.zeros(4, 2 * 2 * 16 * s.num_kv_heads * s.head_dim, device=DEVICE)
-    k_cache, v_cache = b.kv_caches(storage, 2, 16, s.num_kv_heads, s.head_dim)[0]
-    q, k, v = (randn(9, n, s.head_dim, dtype=torch.float32, seed=i)
-               for i, n in enumerate((s.num_heads, s.num_kv_heads, s.num_kv_heads)))
+    b, k_cache, v_cache, q, k, v = one_request(9)
     meta = make_meta([(0, 9)], [[2]], 16, b)
     b.write_kv(k_cache, v_cache, k, v, meta)
-    got = b.attention(q, k_cache, v_cache, meta, 0.25, 0, cap).cpu()
-    group = s.num_heads // s.num_kv_heads
+    got = b.attention(q, k_cache, v_cache, meta, 0.25, 0, 0.5).cpu()
     for i in (0, 4, 8):
-        for h in range(s.num_heads):
-            raw = k[: i + 1, h // group].cpu() @ q[i, h].cpu() * 0.25
-            p = (torch.tanh(raw / cap) * cap).softmax(0)
-            torch.testing.assert_close(got[i, h], p @ v[: i + 1, h // group].cpu(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[i], dense(q, k, v, i, torch.arange(i + 1), 0.25, 0.5), atol=1e-5, rtol=1e-5)
 
 
 def test_the_reference_window_is_a_dense_softmax_over_the_last_keys():
     """The oracle itself: one request's prompt of 30 then a decode, against softmax over keys (i - w, i]."""
-    s, w = SHAPE, 6
-    b = backend("torch", torch.float32)
-    storage = torch.zeros(8, 2 * 2 * 16 * s.num_kv_heads * s.head_dim, device=DEVICE)
-    k_cache, v_cache = b.kv_caches(storage, 2, 16, s.num_kv_heads, s.head_dim)[0]
-    q, k, v = (randn(31, n, s.head_dim, dtype=torch.float32, seed=i)
-               for i, n in enumerate((s.num_heads, s.num_kv_heads, s.num_kv_heads)))
+    w = 6
+    b, k_cache, v_cache, q, k, v = one_request(31)
     got = []
     for start, n in ((0, 30), (30, 1)):
         meta = make_meta([(start, n)], [[3, 1]], 16, b)
         b.write_kv(k_cache, v_cache, k[start:start + n], v[start:start + n], meta)
         got.append(b.attention(q[start:start + n], k_cache, v_cache, meta, 0.25, w))
     got = torch.cat(got).cpu()
-    group = s.num_heads // s.num_kv_heads
     for i in (0, 3, 5, 6, 17, 30):
         keys = torch.arange(max(0, i - w + 1), i + 1)
-        for h in range(s.num_heads):
-            p = (k[keys, h // group].cpu() @ q[i, h].cpu() * 0.25).softmax(0)
-            torch.testing.assert_close(got[i, h], p @ v[keys, h // group].cpu(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got[i], dense(q, k, v, i, keys, 0.25), atol=1e-5, rtol=1e-5)
 
 
 GROUP_MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
