@@ -45,15 +45,23 @@ FAMILIES = {
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": WINDOW, "query_pre_attn_scalar": 24,
                                                          "layer_types": ["sliding_attention", "full_attention",
                                                                          "sliding_attention"], "pad_token_id": 0}),
+    # 4 experts, 2 a token; Qwen3-MoE with a dense middle layer (mlp_only_layers)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"sliding_window": WINDOW, "num_local_experts": 4,
+                                                        "num_experts_per_tok": 2}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {"num_experts": 4, "num_experts_per_tok": 2,
+                                                            "moe_intermediate_size": 64, "norm_topk_prob": True,
+                                                            "mlp_only_layers": [1], "use_sliding_window": True,
+                                                            "sliding_window": WINDOW, "max_window_layers": 1}),
 }
 
 
 def make_tiny(dest: Path, tokenizer_dir: Path, family: str = "llama", layers: int = 3, seed: int = 0,
               max_positions: int = 256) -> Path:
     """A model of any family of FAMILIES with its switches on (Qwen2's biases, Qwen3's q/k norms, the
-    windowed families' window on some layers): hidden 64, 4 query / 2 KV heads of 32 (the paired KV layout
-    and the C decoder take 32-dim heads, not make_tiny_llama's 16). Biases and norm weights are random
-    (not zeros and ones), so that a switch read wrongly changes the tokens."""
+    windowed families' window on some layers): hidden 64, 4 query / 2 KV heads of 32 (the paired KV
+    layout and the C decoder take 32-dim heads, not make_tiny_llama's 16). Biases and norm weights are
+    random (not zeros and ones), and MoE experts and routers larger than the init's, so that a switch read
+    wrongly changes the tokens."""
     import torch
     import transformers
     if (dest / "config.json").is_file():
@@ -71,6 +79,8 @@ def make_tiny(dest: Path, tokenizer_dir: Path, family: str = "llama", layers: in
                 p.normal_(0, 0.5)
             elif "norm" in name:
                 p.uniform_(0.5, 1.5)
+            elif "experts" in name or name.endswith(("mlp.gate.weight", "moe.gate.weight")):
+                p.normal_(0, 0.3)       # experts and router that move the tokens (init's 0.02 barely does)
     model.save_pretrained(dest)
     _copy_tokenizer(tokenizer_dir, dest)
     return dest

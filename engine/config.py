@@ -60,6 +60,7 @@ class ModelConfig:
     attn_scale: float = 0.0                 # 0: head_dim ** -0.5
     attn_softcap: float = 0.0               # Gemma 2: scores -> cap * tanh(score / cap); 0: none
     final_softcap: float = 0.0              # Gemma 2: the logits likewise
+    moe: object = None                      # engine.model.family.MoeSpec: a mixture-of-experts MLP, or None
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s sliding window (0: global attention)."""
@@ -101,7 +102,7 @@ class ModelConfig:
             layer_windows=switches.layer_windows, local_rope_theta=local_theta, local_rope_scaling=local_scaling,
             norm_offset=switches.norm_offset, sandwich_norms=switches.sandwich_norms,
             activation=switches.activation, embed_scale=switches.embed_scale, attn_scale=switches.attn_scale or 0.0,
-            attn_softcap=switches.attn_softcap, final_softcap=switches.final_softcap)
+            attn_softcap=switches.attn_softcap, final_softcap=switches.final_softcap, moe=switches.moe)
 
 
 def _eos_ids(path: Path, cfg: dict) -> tuple[int, ...]:

@@ -45,7 +45,7 @@ def warm_up(core) -> None:
 
 def write_adapter(d: Path, model, rank: int) -> None:
     """A PEFT adapter of zeros on every projection of every layer (its values do not matter here)."""
-    tensors, modules = {}, model_modules(model.fused_projections)
+    tensors, modules = {}, model_modules(model.fused_projections, model.moe is not None)
     for layer in range(model.num_layers):
         for m in modules:
             n_in, n_out = module_shape(model, m)

@@ -148,7 +148,7 @@ def describe_adapter(adapter_dir: str | Path, cfg: ModelConfig, max_rank: int,
     signature = files_signature(d)
     spec = spec or read_spec(d)
     f = weights_file(d)
-    served = model_modules(cfg.fused_projections)
+    served = model_modules(cfg.fused_projections, cfg.moe is not None)
     parts: dict[tuple[int, str], dict[str, tuple[str, dict]]] = {}
     for key, info in read_header(f).items():
         m = _KEY.match(key)

@@ -20,8 +20,14 @@ _PREFIX = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
 ALL_LINEAR = ("all-linear",)
 
 
-def model_modules(fused: bool) -> tuple[str, ...]:
-    """The modules a base model's adapters name: the fused ones for a fused checkpoint (Phi-3)."""
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def model_modules(fused: bool, moe: bool = False) -> tuple[str, ...]:
+    """The modules a base model's adapters name: the fused ones for a fused checkpoint (Phi-3); the
+    attention's alone for a mixture-of-experts model (its experts are not plain projections)."""
+    if moe:
+        return ATTENTION_MODULES
     return FUSED_MODULES if fused else MODULES
 
 

@@ -23,6 +23,8 @@ Switches (all off: Llama):
   attn_scale (query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5), attn_softcap (attention scores
   cap * tanh(score / cap), Gemma 2) and final_softcap (the logits likewise), and a RoPE of the sliding
   layers' own (Gemma 3's local base).
+- moe: a mixture-of-experts MLP (`MoeSpec`: Mixtral, Qwen3-MoE): a router picks each token's top-k
+  experts (gated MLPs), whose outputs are summed with the router's weights; adapters on the attention.
 - layer windows: per layer, how many keys a token attends to (its own included): key j is visible to the
   query at position i iff i - window < j <= i; 0 is global attention (Mistral: every layer; Qwen2/Qwen3
   with `use_sliding_window`: the layers `layer_types` marks).
@@ -32,6 +34,23 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """A mixture-of-experts MLP: `num_experts` gated MLPs of `intermediate` each, the router's softmax
+    top `top_k` per token (renormalised to sum 1 when `norm_topk_prob`; the weights rounded to the model
+    dtype before use when `weights_in_dtype`, as Qwen3-MoE does, else kept in fp32 as Mixtral's), on the
+    layers `sparse` marks (the others a dense MLP of intermediate_size). `names`: the checkpoint's
+    ("mixtral": block_sparse_moe.gate / experts.E.w1, w3, w2; "qwen": mlp.gate / experts.E.gate_proj,
+    up_proj, down_proj)."""
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    weights_in_dtype: bool
+    intermediate: int
+    sparse: tuple[bool, ...]
+    names: str
 
 
 @dataclass(frozen=True)
@@ -51,6 +70,7 @@ class Switches:
     attn_scale: float | None = None          # None: head_dim ** -0.5
     attn_softcap: float = 0.0                # 0: none
     final_softcap: float = 0.0
+    moe: MoeSpec | None = None
 
 
 def rope_of(params: dict, where: str = "config.json") -> tuple:
@@ -158,6 +178,25 @@ def _gemma3(cfg: dict) -> Switches:
                   attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0), local_rope=local)
 
 
+def _mixtral(cfg: dict) -> Switches:
+    n = cfg["num_hidden_layers"]
+    moe = MoeSpec(int(cfg.get("num_local_experts") or cfg.get("num_experts")), int(cfg["num_experts_per_tok"]),
+                  True, False, int(cfg["intermediate_size"]), (True,) * n, "mixtral")
+    return dataclasses.replace(_mistral(cfg), family="mixtral", moe=moe)
+
+
+def _qwen3_moe(cfg: dict) -> Switches:
+    n = cfg["num_hidden_layers"]
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
+    sparse = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(n))
+    moe = MoeSpec(experts, int(cfg["num_experts_per_tok"]), bool(cfg.get("norm_topk_prob")), True,
+                  int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]), sparse, "qwen")
+    # transformers' Qwen3-MoE slides on every layer once use_sliding_window is set (no max_window_layers)
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    return dataclasses.replace(_qwen3(cfg), family="qwen3_moe", moe=moe, layer_windows=(window or 0,) * n)
+
+
 @dataclass(frozen=True)
 class Family:
     name: str
@@ -174,6 +213,8 @@ FAMILIES = (
     Family("Phi-3", ("phi3",), ("Phi3ForCausalLM",), _phi3),
     Family("Gemma 2", ("gemma2",), ("Gemma2ForCausalLM",), _gemma2),
     Family("Gemma 3 (text)", ("gemma3_text",), ("Gemma3ForCausalLM",), _gemma3),
+    Family("Mixtral", ("mixtral",), ("MixtralForCausalLM",), _mixtral),
+    Family("Qwen3-MoE", ("qwen3_moe",), ("Qwen3MoeForCausalLM",), _qwen3_moe),
 )
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
+from engine.model.moe import moe_mlp
 from engine.model.rope import Rope
 from engine.model.weights import LlamaWeights
 from kernels.attention_metadata import AttentionMetadata
@@ -109,8 +110,11 @@ class LlamaModel:
             if layer.attn_out_norm is not None:                      # sandwich norms (Gemma)
                 o = ops.rms_norm(o, layer.attn_out_norm, cfg.rms_norm_eps)
             h = ops.add_rms_norm(x, o, layer.post_norm, cfg.rms_norm_eps)         # x += o
-            gate_up = project(layer.gate_up, i, "gate_up", h, lora)  # [T, 2I]
-            down = project(layer.down, i, "down", act(gate_up), lora)   # act: [T, I]
+            if layer.moe is not None:                                # the experts (adapters: attention only)
+                down = moe_mlp(ops, h, layer.moe, cfg.moe)
+            else:
+                gate_up = project(layer.gate_up, i, "gate_up", h, lora)  # [T, 2I]
+                down = project(layer.down, i, "down", act(gate_up), lora)   # act: [T, I]
             if layer.mlp_out_norm is not None:
                 down = ops.rms_norm(down, layer.mlp_out_norm, cfg.rms_norm_eps)
             if i + 1 < len(layers):

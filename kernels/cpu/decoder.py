@@ -96,8 +96,8 @@ class Decoder:
     @classmethod
     def create(cls, cfg, layers, kv_caches) -> "Decoder | None":
         """cfg: the ModelConfig; layers: LayerWeights; kv_caches: the paired (K, V) views per layer."""
-        if _fn() is None or cfg.dtype != torch.bfloat16 or kv_caches[0][0].dim() != 5:
-            return None
+        if _fn() is None or cfg.dtype != torch.bfloat16 or kv_caches[0][0].dim() != 5 or cfg.moe is not None:
+            return None                        # (no experts in the C decoder: MoE models run op by op)
         for w in layers:
             for lin in (w.qkv, w.o, w.gate_up, w.down):   # packed for gemm_avx512bf16.c (not the AVX2 layout)
                 if lin.c is None or lin.c.fns is not c_gemm.variant("avx512bf16"):

@@ -23,7 +23,8 @@ def test_bad_argument_is_a_clear_error():
     assert r.returncode == 2 and "temperature" in r.stderr
 
 
-@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral",
+                                    "qwen3_moe"])
 def test_generate_serves_each_family_as_transformers_does(family, tmp_path, model_dir):
     """`loraplex generate --model DIR` on a tiny model of each family: transformers' greedy tokens."""
     import torch

@@ -8,6 +8,8 @@ in one mixed batch; greedy float32 tokens equal to PEFT's on every backend, and 
 backend's fused C decoder where it runs) within PEFT's rounding."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -21,13 +23,19 @@ from tests.engine.test_backend_fidelity import PROMPTS, TINY_ADAPTERS
 from tests.kernels.backends import DEVICE, available_backends
 from tests.peft_adapters import make_adapters
 
-NEW = ("mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+NEW = ("mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe")
+ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
 FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
          "up_proj": "gate_up_proj"}
 
 
 def adapter_specs(family: str) -> dict[str, dict]:
-    """TINY_ADAPTERS on the family's modules: Phi-3's adapters target its fused qkv_proj / gate_up_proj."""
+    """TINY_ADAPTERS on the family's modules: Phi-3's adapters target its fused qkv_proj / gate_up_proj; a
+    mixture-of-experts model's, its attention (the only projections PEFT targets there)."""
+    if family in ("mixtral", "qwen3_moe"):
+        return {name: {k: ([m for m in v if m in ATTENTION] if k == "target_modules" else
+                           {m: x for m, x in v.items() if m in ATTENTION} if k.endswith("_pattern") else v)
+                       for k, v in kw.items()} for name, kw in TINY_ADAPTERS.items()}
     if family != "phi3":
         return TINY_ADAPTERS
     out = {}
@@ -68,15 +76,18 @@ def test_the_tiny_models_have_their_families_switches(family):
     cfg = ModelConfig.from_dir(d / "model", torch.float32)
     assert cfg.family == name
     gemma = name.startswith("gemma")
-    assert cfg.qkv_bias == (name == "qwen2") and cfg.qk_norm == (name in ("qwen3", "gemma3"))
+    assert cfg.qkv_bias == (name == "qwen2") and cfg.qk_norm == (name in ("qwen3", "gemma3", "qwen3_moe"))
     assert cfg.fused_projections == (name == "phi3")
     assert (cfg.norm_offset, cfg.sandwich_norms, cfg.embed_scale, cfg.activation == "gelu_tanh") == (gemma,) * 4
     assert (cfg.attn_softcap, cfg.final_softcap) == ((2.0, 5.0) if name == "gemma2" else (0.0, 0.0))
     assert cfg.attn_scale == (24 ** -0.5 if gemma else 0.0)
     assert cfg.local_rope_theta == (10000.0 if name == "gemma3" else 0.0)
     windows = {"mistral": (WINDOW,) * 3, "phi3": (WINDOW,) * 3, "gemma2": (WINDOW, 0, WINDOW),
-               "gemma3": (WINDOW, 0, WINDOW)}
+               "gemma3": (WINDOW, 0, WINDOW), "mixtral": (WINDOW,) * 3, "qwen3_moe": (WINDOW,) * 3}
     assert cfg.layer_windows == windows.get(name, (0, WINDOW, WINDOW))
+    moe = {"mixtral": (4, 2, True, False, 128, (True, True, True)),
+           "qwen3_moe": (4, 2, True, True, 64, (True, False, True))}.get(name)
+    assert (cfg.moe and dataclasses.astuple(cfg.moe)[:6]) == moe
 
 
 @pytest.mark.parametrize("backend", available_backends())
@@ -113,7 +124,7 @@ def test_an_architecture_not_served_is_named_with_those_that_are():
     assert "GPT2LMHeadModel" in msg and "does not serve" in msg
     assert all(arch in msg for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                         "Qwen3ForCausalLM", "Phi3ForCausalLM", "Gemma2ForCausalLM",
-                                        "Gemma3ForCausalLM"))
+                                        "Gemma3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"))
 
 
 @pytest.mark.parametrize("cfg, windows", [
@@ -142,9 +153,11 @@ def test_families_of_the_tiny_builder_are_the_served_ones():
     assert set(FAMILIES) == {"llama", *NEW}
 
 
-@pytest.mark.parametrize("family, module, other", [("phi3", "q_proj", "qkv_proj"), ("qwen2", "qkv_proj", "q_proj")])
+@pytest.mark.parametrize("family, module, other", [("phi3", "q_proj", "qkv_proj"), ("qwen2", "qkv_proj", "q_proj"),
+                                                   ("mixtral", "gate_proj", "o_proj")])
 def test_an_adapter_of_the_other_layout_is_refused_naming_the_modules(family, module, other, tmp_path, model_dir):
-    """Phi-3's adapters name its fused modules; an adapter naming q_proj does not fit it (and the other way)."""
+    """Phi-3's adapters name its fused modules; an adapter naming q_proj does not fit it (and the other way);
+    a mixture-of-experts model's adapters name its attention projections only."""
     import json
 
     from safetensors.torch import save_file
