@@ -1,7 +1,8 @@
 """Schemathesis against the real processes: cases generated from `/openapi.json` (valid and invalid
 bodies), at least 2,000 in all (LORAPLEX_FUZZ_SCALE=N: N times as many, for a longer hunt). No answer is
-a 5xx; every error is in OpenAI's error shape; every success, and every event of a stream, is exactly
-the response type the document declares (it decodes strictly into it, and encoding that gives back the same
+a 5xx, and the server logs no traceback (a bug after a stream began has no status code); every error is in
+OpenAI's error shape; every success, and every event of a stream, is exactly the response type the
+document declares (it decodes strictly into it, and encoding that gives back the same
 JSON: no field the document lacks); the server is healthy afterwards."""
 from __future__ import annotations
 
@@ -46,10 +47,11 @@ def fuzz_server(tiny_served):
 REASONS = collections.Counter()
 
 
-def check_answer(case, resp, seen: collections.Counter) -> None:
+def check_answer(case, resp, seen: collections.Counter, server_log: list[str]) -> None:
     seen[resp.status_code // 100] += 1
     text = resp.text
-    what = f"{case.method} {case.path} {case.body!r:.3000} -> {resp.status_code} {text[:300]} ... {text[-300:]}"
+    what = (f"{case.method} {case.path} {case.body!r:.3000} -> {resp.status_code} {text[:300]} ... {text[-300:]}"
+            f"\nthe server's last lines:\n{''.join(server_log[-30:])}")
     assert resp.status_code < 500, what
     if resp.status_code >= 400:
         err = msgspec.json.decode(resp.content, type=r.ErrorResponse).error
@@ -61,7 +63,7 @@ def check_answer(case, resp, seen: collections.Counter) -> None:
         assert events, what
         # NOTE: schemathesis stops reading a stream after 20 events (its max_stream_events) and marks it
         cut_short = getattr(resp, STREAM_CUT_SHORT_ATTRIBUTE, False)
-        assert cut_short or events[-1] == "[DONE]", what
+        assert cut_short or events[-1] == "[DONE]", f"{len(events)} events, {what}"
         for event in events[:-1] if events[-1] == "[DONE]" else events:
             body = json.loads(event)
             assert_exactly(event.encode(), r.ErrorResponse if "error" in body else EVENT[case.path], what)
@@ -97,13 +99,15 @@ def test_fuzz_every_route_from_the_openapi_document(fuzz_server):
                     case.body["model"] = model      # a served model, else nearly every valid body is a 404
                 case.headers = {**(case.headers or {}), "Authorization": f"Bearer {KEY}"}
                 resp = case.call(base_url=fuzz_server.url, session=session, timeout=60)
-                check_answer(case, resp, seen)
+                check_answer(case, resp, seen, fuzz_server.lines)
             run()
     print(f"fuzz: {sum(cases.values())} cases {dict(cases)}; answers by class {dict(seen)}")
     assert sum(cases.values()) >= 2000, cases
     print("most common errors:", REASONS.most_common(12))
     assert seen[2] > 100 and seen[4] > 500, seen     # both valid and invalid requests were exercised
     assert requests.get(fuzz_server.url + "/health", timeout=10).status_code == 200
+    errors = [line for line in fuzz_server.lines if "Traceback" in line or "Error handling request" in line]
+    assert not errors, "".join(fuzz_server.lines[-60:])      # no bug of ours, also none after a stream began
     resp = requests.post(fuzz_server.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                          json={"model": "tiny-r5", "prompt": "Hi", "max_tokens": 3, "ignore_eos": True}, timeout=30)
     assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3

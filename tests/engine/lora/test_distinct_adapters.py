@@ -30,8 +30,10 @@ def tiny(tmp_path_factory, model_dir):
     return d
 
 
-def run(d, backend: str, **kw) -> tuple[int, dict[str, list[int]], LLM]:
-    """All N adapter requests at once, stepped by hand: (most distinct adapters running in a step, tokens)."""
+def run(d, backend: str, settle: bool = False, **kw) -> tuple[int, dict[str, list[int]], LLM]:
+    """All N adapter requests at once, stepped by hand: (most distinct adapters running in a step, tokens).
+    settle: every load in flight ends before each step (what fits in the pool is then resident, however
+    fast the loader ran beside the steps)."""
     llm = LLM(model=str(d / "model"), dtype="float32", backend=backend, device=str(DEVICE), max_num_batched_tokens=256,
               block_size=16, **kw)
     core = llm.engine
@@ -43,6 +45,8 @@ def run(d, backend: str, **kw) -> tuple[int, dict[str, list[int]], LLM]:
         core.add_request(GenerateRequest(f"r{i}", [1, 20 + i, 300 + 7 * i, 5], PARAMS, adapter=f"a{i}"))
     peak, tokens = 0, {f"r{i}": [] for i in range(N)}
     while core.has_unfinished():
+        if settle:
+            core.adapters.wait_loads()
         for out in core.step():
             tokens[out.request_id] += out.new_token_ids
         peak = max(peak, len(core.scheduler.admission.running))
@@ -87,7 +91,7 @@ def test_without_a_cap_the_pool_bounds_the_step(tiny, oracle, backend):
     probe.register_adapter("a4", str(tiny / "adapters" / "a4"))           # rank 5, the largest
     adapter_pages = probe.engine.adapters.lookup("a4").layout.num_pages(probe.engine.adapters.page_elems)
     num_pages = N + 4 * adapter_pages          # one KV block per request (7 tokens) and about 4 adapters
-    peak, tokens, llm = run(tiny, backend, kv_cache_memory_bytes=num_pages * page_bytes)
+    peak, tokens, llm = run(tiny, backend, settle=True, kv_cache_memory_bytes=num_pages * page_bytes)
     assert llm.engine.pool.num_pages == num_pages
     assert 2 <= peak < N
     assert tokens == oracle
