@@ -1,7 +1,8 @@
 """Each dense family against Llama at the default model's size, in one run: a random model of each dense
 family of FULL_SIZE (Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, Gemma 3) with SmolLM2-135M's sizes
-(bench/tiny_model.py: make_family_like; built once under LORAPLEX_CACHE), bench_engine's workload (64 requests x (128 + 128 tokens), greedy, EOS ignored) on the
-engine at its defaults for each and for the default model (Llama), the runs alternated; prints each
+(bench/tiny_model.py: make_family_like; built once under LORAPLEX_CACHE), bench_engine's workload (64
+requests x (128 + 128 tokens), greedy, EOS ignored) on the engine at its defaults for each and for the
+default model (Llama), the runs alternated; prints each
 family's tok/s beside Llama's and the ratio (the goal: every family within 15% of Llama, i.e. >= 0.85x),
 writes bench/results/families.json and .png.
 
