@@ -41,15 +41,17 @@ clean:
 	rm -rf $(VENV)
 
 # On a machine with a CUDA GPU: the backend tests without the Triton interpreter, the fidelity tests on
-# CUDA (float32 tokens and bfloat16 log-probabilities against PEFT), seeded sampling on the device (the
-# host's tokens), the engine, multi-LoRA, attention, PEFT and cold-load benchmarks with --device cuda, and the server answering the openai client on CUDA
-# (bench/serve_check.py); everything printed goes to GPU_CHECK_OUT; any step that fails fails the target.
+# CUDA (float32 tokens and bfloat16 log-probabilities against PEFT, for every served family), seeded
+# sampling on the device (the host's tokens), the engine, multi-LoRA, attention, PEFT and cold-load
+# benchmarks with --device cuda, and the server answering the openai client on CUDA (bench/serve_check.py);
+# everything printed goes to GPU_CHECK_OUT; any step that fails fails the target.
 # GPU_PY=python3 uses that interpreter (its own torch, triton, transformers and peft) instead of .venv:
 # for a machine that cannot install (docs/gpu-check.md).
 GPU_CHECK_OUT ?= gpu-check.txt
 GPU_PY ?= $(BIN)/python
 GPU_TESTS := tests/kernels/test_backends.py tests/kernels/triton tests/engine/test_backend_fidelity.py \
-	tests/engine/lora/test_distinct_adapters.py tests/engine/lora/test_page_copier.py tests/engine/test_sampler.py
+	tests/engine/lora/test_distinct_adapters.py tests/engine/lora/test_page_copier.py tests/engine/test_sampler.py \
+	tests/engine/model/test_families.py
 gpu-check: $(if $(filter $(BIN)/python,$(GPU_PY)),$(STAMP))
 	$(GPU_PY) -c "import torch; assert torch.cuda.is_available(), 'gpu-check needs a CUDA device'; print(torch.cuda.get_device_name(), 'torch', torch.__version__)" | tee $(GPU_CHECK_OUT)
 	TRITON_INTERPRET=0 LORAPLEX_TEST_DEVICE=cuda $(GPU_PY) -m pytest -q -p no:cacheprovider $(GPU_TESTS) 2>&1 | tee -a $(GPU_CHECK_OUT)

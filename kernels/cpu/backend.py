@@ -91,7 +91,7 @@ class CpuBackend(TorchBackend):
         return elementwise.silu_mul(gate_up) if self.fused_ops else super().silu_mul(gate_up)
 
     def gelu_tanh_mul(self, gate_up):
-        return elementwise.silu_mul(gate_up, "gelu_tanh_mul") if self.fused_ops else super().gelu_tanh_mul(gate_up)
+        return elementwise.gelu_tanh_mul(gate_up) if self.fused_ops else super().gelu_tanh_mul(gate_up)
 
     def rope(self, x, cos, sin):
         # in place: x is a view of this step's fused qkv

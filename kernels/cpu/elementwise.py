@@ -62,9 +62,18 @@ def add_rms_norm(x: torch.Tensor, d: torch.Tensor, weight: torch.Tensor, eps: fl
     return out
 
 
-def silu_mul(gate_up: torch.Tensor, op: str = "silu_mul") -> torch.Tensor:
-    """gate_up: [T, 2I] -> F.silu(gate) * up, [T, I], where gate, up = gate_up.chunk(2, -1) (op
-    "gelu_tanh_mul": F.gelu(gate, approximate="tanh") * up)."""
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2I] -> F.silu(gate) * up, [T, I], where gate, up = gate_up.chunk(2, -1)."""
+    return _gated(gate_up, "silu_mul")
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2I] -> F.gelu(gate, approximate="tanh") * up, [T, I] (tanhf: a result may round one
+    bf16 step from torch's)."""
+    return _gated(gate_up, "gelu_tanh_mul")
+
+
+def _gated(gate_up: torch.Tensor, op: str) -> torch.Tensor:
     _rows(gate_up)
     t, two_i = gate_up.shape
     out = torch.empty(t, two_i // 2, dtype=gate_up.dtype)
