@@ -61,11 +61,8 @@ def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, p
         ready.announce(url=url, replicas=replicas, pid=os.getpid())
         directory = serve.get_deployment_handle("Directory", app_name="loraplex")
         while not stopping.wait(1.0):       # the replicas' processes, replacements and replaced ones included
-            with contextlib.suppress(Exception):
-                for info in directory.all.remote().result().values():
-                    for p in info.get("pids", []):
-                        if p not in pids and (started := _start_time(p)) is not None:
-                            pids[p] = started
+            _note_pids(directory, pids)
+        _note_pids(directory, pids)         # a replica registered since the last look (a replacement, say)
     finally:
         for stop in (serve.shutdown, ray.shutdown):    # Ray's own processes may have had the signal too
             with contextlib.suppress(Exception):
@@ -78,6 +75,15 @@ def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, p
 
 
 STOP_WAIT_S = 90.0      # a replica's server drains up to --shutdown-timeout (30 s) before it exits
+
+
+def _note_pids(directory, pids: dict[int, str]) -> None:
+    """Add to `pids` (pid -> start time) the server processes of every replica the Directory knows now."""
+    with contextlib.suppress(Exception):
+        for info in directory.all.remote().result(timeout_s=30).values():
+            for p in info.get("pids", []):
+                if p not in pids and (started := _start_time(p)) is not None:
+                    pids[p] = started
 
 
 def wait_gone(pids: list[int], timeout: float) -> list[int]:
