@@ -4,6 +4,9 @@
 the ratio of the best of each over alternated runs. Usage: python bench/bench_engine.py [--dtype bfloat16]
 [--num 64] [--prompt-len 128] [--out-len 128] [--repeats 3]
 
+With --tiles: the engine with its GEMM tiles on AMX against the same engine on vdpbf16ps (AVX512-BF16), runs
+alternated in one process (an AMX host only); writes bench/results/tiles.json and .png.
+
 With --model DIR (a model of another family, e.g. bench/bench_families.py's of the default model's size):
 the engine on DIR against the engine on the default model (Llama) in the same run, instead of
 transformers: each one's tok/s and their ratio.
@@ -108,6 +111,32 @@ def family_vs_llama(args, prompts) -> None:
           f"{args.model})")
 
 
+def amx_vs_vdpbf16ps(args, prompts) -> None:
+    """One engine, its GEMM tiles switched between AMX and vdpbf16ps run by run (kernels/cpu/gemm.amx)."""
+    from bench.output import write
+    from kernels.cpu import gemm
+    if not gemm.amx():
+        raise SystemExit("no AMX tiles on this host (an Intel CPU with AMX-BF16 and Linux >= 5.16 runs them)")
+    llm, run = engine_side(args, prompts)
+    results = {"amx": [], "vdpbf16ps": []}
+    try:
+        for _ in range(args.repeats):
+            for kind in results:
+                gemm.amx(kind == "amx")
+                print(f"  tiles: {kind}")
+                results[kind].append(run())
+    finally:
+        gemm.amx(True)
+    amx, vnni = max(results["amx"]), max(results["vdpbf16ps"])
+    print(f"ratio        : {amx / vnni:.2f}x with AMX tiles ({amx:.1f} vs {vnni:.1f} tok/s, the best of each)")
+
+    def plot(ax):
+        ax.bar(list(results), [amx, vnni])
+        ax.set_ylabel("output tokens / s (best run)")
+        ax.set_title(f"bench_engine --tiles: {args.num} x ({args.prompt_len} + {args.out_len}) tokens, {args.dtype}")
+    write("tiles", {"args": vars(args), "tok_s": results, "ratio": amx / vnni}, plot)
+
+
 def llm_device(args) -> torch.device:
     from kernels.selector import resolve_device
     return resolve_device(args.device)
@@ -151,6 +180,7 @@ def main() -> None:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (both sides)")
     p.add_argument("--backend", default="auto", help="the engine's compute backend")
+    p.add_argument("--tiles", action="store_true", help="AMX tiles against vdpbf16ps tiles (an AMX host)")
     p.add_argument("--model", default=None, help="a model directory of another family: compared with the "
                                                    "default model (Llama) instead of transformers")
     args = p.parse_args()
@@ -159,6 +189,8 @@ def main() -> None:
           f"{torch.get_num_threads()} threads, best of {args.repeats} alternated runs")
     if args.model:
         return family_vs_llama(args, prompts)
+    if args.tiles:
+        return amx_vs_vdpbf16ps(args, prompts)
     llm, ours_run = engine_side(args, prompts)
     theirs_run = None if args.skip_hf else hf_side(args, prompts)
     ours, theirs = [], []

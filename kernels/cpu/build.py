@@ -67,6 +67,12 @@ def has_avx512_bf16() -> bool:
     return "avx512_bf16" in _cpu_flags()
 
 
+def has_amx_bf16() -> bool:
+    """Whether this CPU has AMX tiles with bf16 (Intel Sapphire Rapids and later)."""
+    flags = _cpu_flags().split()
+    return "amx_tile" in flags and "amx_bf16" in flags
+
+
 def has_avx2_fma() -> bool:
     """Whether this CPU has AVX2 and FMA (the fp32-compute kernels for bf16 data need both)."""
     flags = _cpu_flags().split()

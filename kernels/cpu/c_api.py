@@ -27,8 +27,8 @@ LIBRARIES: dict[str, dict[str, tuple]] = {
         "write_kv": (VOID, [P, I64, P, I64, P, P, I64, P, P, I64, I64]),
         "argmax_bf16": (VOID, [P, I64, I64, I64, P]),
     },
-    "gemm_avx512bf16": {"gemm_bf16": (INT, _GEMM)},
-    "gemm_lora_avx512bf16": {"gemm_lora_bf16": (INT, [*_GEMM, P, P, P, I, I, P, P, P, I64])},
+    "gemm_avx512bf16": {"gemm_bf16": (INT, _GEMM), "gemm_amx": (INT, [I])},
+    "gemm_lora_avx512bf16": {"gemm_lora_bf16": (INT, [*_GEMM, P, P, P, I, I, P, P, P, I64]), "gemm_amx": (INT, [I])},
     "gemm_avx2": {"gemm_bf16_avx2": (INT, _GEMM)},
     "lora": {"lora_decode_bf16": (INT, _LORA), "lora_decode_f32": (INT, _LORA),
              "lora_segments_bf16": (INT, [P, I64, P, I64, P, P, P, P, I, P, I, I, I, P, P])},
@@ -38,5 +38,5 @@ LIBRARIES: dict[str, dict[str, tuple]] = {
         "paired_attention_bf16": (INT, [P, I64, P, P, P, I64, P, I64, P, I, I, I, I, I, F, I64, F]),
         "write_kv_paired_bf16": (INT, [P, I64, P, I64, P, P, I64, P, P, I64, I, I, I]),
     },
-    "decoder": {"decoder_layers_bf16": (INT, [P])},
+    "decoder": {"decoder_layers_bf16": (INT, [P]), "gemm_amx": (INT, [I])},
 }

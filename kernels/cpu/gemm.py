@@ -1,12 +1,15 @@
 """ctypes binding of the bf16 GEMMs: y = x @ W^T with W packed once.
 
 Two variants, picked once per process by what the CPU has:
-- AVX512-BF16 (gemm_avx512bf16.c): vdpbf16ps over 48-column blocks; with a GemmLora, the same GEMM also computes some
-  rows' multi-LoRA (gemm_lora_avx512bf16.c). Measured against oneDNN's pre-packed bf16 GEMM: 15-20% faster for the
-  M <= 512 row counts of decode steps, ~4% slower at 2048 rows (prefill).
+- AVX512-BF16 (gemm_avx512bf16.c): vdpbf16ps over 48-column blocks; with a GemmLora, the same GEMM also
+  computes some rows' multi-LoRA (gemm_lora_avx512bf16.c). Measured against oneDNN's pre-packed bf16 GEMM
+  on Zen 4 (no AMX): 15-20% faster for the M <= 512 row counts of decode steps, ~4% slower at 2048 rows.
+  Where the CPU has AMX-BF16, the same packed weights run on AMX tiles instead (`amx`; on an AMX Xeon
+  3-9x the vdpbf16ps tiles, and faster than oneDNN's AMX GEMM up to ~128 rows).
 - AVX2 + FMA (gemm_avx2.c; AMD Zen, older Intel): bf16 stored in 16-column blocks, fp32 computed. There,
   torch's bf16 matmul has no native kernel and runs 6-9x slower than its fp32 one.
-Both compute each output as one fp32 sum over k in order, rounded once, so a row never depends on the batch.
+Both compute each output as one fp32 sum (over k in order; AMX in its own order), rounded once, so a row
+never depends on the batch.
 """
 from __future__ import annotations
 
@@ -15,10 +18,26 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu.build import has_avx2_fma, has_avx512_bf16, load_functions
+from kernels.cpu.build import has_amx_bf16, has_avx2_fma, has_avx512_bf16, load_functions
 
 NB = 48            # columns per packed block, as compiled into gemm_avx512bf16.c
 NB_AVX2 = 16       # as compiled into gemm_avx2.c
+AMX_LIBRARIES = ("gemm_avx512bf16", "gemm_lora_avx512bf16", "decoder")    # each has its own switch
+
+
+def amx(on: bool | None = None) -> bool:
+    """Whether the AVX512-BF16 GEMMs (plain, with LoRA, and inside the C decoder) run their tiles on AMX:
+    compiled in where the CPU has AMX-BF16, used where Linux grants the process the tile state, unless
+    LORAPLEX_CPU_AMX=0. `on` switches all three libraries (tests and benchmarks compare both ways; the
+    packed weights are the same). False where AMX is absent."""
+    if not (has_avx512_bf16() and has_amx_bf16()):
+        return False
+    states = []
+    for lib in AMX_LIBRARIES:
+        fns = load_functions(lib, {"amx": "gemm_amx"})
+        if fns is not None:
+            states.append(bool(fns["amx"](-1 if on is None else int(on))))
+    return bool(states) and all(states)
 
 
 

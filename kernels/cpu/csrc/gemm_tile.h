@@ -13,7 +13,14 @@
 
 #define NV 3              /* zmm accumulators per row of a tile */
 #define NB (16 * NV)      /* columns per block */
-#define MR 8              /* rows per tile */
+#define MRV 8             /* rows per register tile (vdpbf16ps) */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define GEMM_AMX 1
+#define MR 16             /* rows per tile: one AMX tile's rows (two register tiles where AMX is off) */
+#else
+#define GEMM_AMX 0
+#define MR MRV            /* rows per tile */
+#endif
 #define MC 96             /* rows per task at most: the task's x rows stay in L2 */
 
 /* Multi-LoRA deltas added in the tile epilogue (gemm_lora_bf16): row t of the call gets
@@ -115,15 +122,15 @@ static inline void prefetch_step(lora_prefetch *pf) {
  * its own (the caller gives each of a block's `shares` row tiles its own share). The weights of a decode
  * step stream from memory, and the hardware prefetcher starts each new panel late; measured here, a
  * decode step's 30 layers 12-20% faster, lm_head 17-25%, than with no prefetch. */
-static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y,
-                                                       int64_t ys, int K, int mr, int ncols, const lora_args *l,
-                                                       int64_t m, int c0, walker *walk,
-                                                       const uint16_t *next, int share, int shares) {
-    __m512 acc[MR][NV];
-    for (int r = 0; r < MR; r++)
+static inline __attribute__((always_inline)) void tile_vnni(const uint16_t *x, int64_t xs, const uint16_t *p,
+                                                            uint16_t *y, int64_t ys, int K, int mr, int ncols,
+                                                            const lora_args *l, int64_t m, int c0, walker *walk,
+                                                            const uint16_t *next, int share, int shares) {
+    __m512 acc[MRV][NV];
+    for (int r = 0; r < MRV; r++)
         for (int j = 0; j < NV; j++) acc[r][j] = _mm512_setzero_ps();
-    const int32_t *xi[MR];
-    for (int r = 0; r < MR; r++) xi[r] = (const int32_t *)(x + (r < mr ? r : 0) * xs);
+    const int32_t *xi[MRV];
+    for (int r = 0; r < MRV; r++) xi[r] = (const int32_t *)(x + (r < mr ? r : 0) * xs);
     col_map cm;
     lora_prefetch pf;
     if (l) {
@@ -144,17 +151,17 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
         for (int j = 0; j < NV; j++) w[j] = (__m512bh)_mm512_loadu_si512(p + 32 * j);
         p += 2 * NB;
 #pragma GCC unroll 8
-        for (int r = 0; r < MR; r++) {
+        for (int r = 0; r < MRV; r++) {
             const __m512bh b = (__m512bh)_mm512_set1_epi32(xi[r][kp]);
             for (int j = 0; j < NV; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], w[j], b);
         }
     }
     if (l) {
-        float sums[MR * NB];
-        for (int r = 0; r < MR; r++)
+        float sums[MRV * NB];
+        for (int r = 0; r < MRV; r++)
             for (int j = 0; j < NV; j++) _mm512_storeu_ps(sums + r * NB + 16 * j, acc[r][j]);
         lora_epilogue(l, &cm, m, mr, ncols, sums);
-        for (int r = 0; r < MR; r++)
+        for (int r = 0; r < MRV; r++)
             for (int j = 0; j < NV; j++) acc[r][j] = _mm512_loadu_ps(sums + r * NB + 16 * j);
     }
     for (int r = 0; r < mr; r++)
@@ -165,3 +172,141 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
         }
 }
 
+
+#if GEMM_AMX
+/* The same tile on AMX (Intel Sapphire Rapids and later): up to 16 rows x NB columns as three 16 x 16 fp32
+ * tiles, k in steps of 32 by tdpbf16ps. The packed panel is already AMX's B layout: 16 pair rows of one
+ * 16-column group are 16 lines of 64 bytes, 4 NB bytes apart. x rows are the A tile (rows = mr, set in
+ * the tile configuration, so no row past the call's is read); the k steps past the last multiple of 32 run
+ * on vdpbf16ps. Each output is one fp32 sum rounded once; its order of additions is the hardware's, the same
+ * for every row, so a row's result still never depends on the rest of the batch. Tile configuration is
+ * per thread and other libraries (oneDNN) set their own, so each tile loads its own. */
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+
+/* Whether the tiles run on AMX: the kernel must grant this process the tile state (Linux >= 5.16, asked
+ * once at load); LORAPLEX_CPU_AMX=0 turns it off (gemm_amx switches it for tests and benchmarks). */
+static int amx_permitted, amx_on;
+
+__attribute__((constructor)) static void amx_request(void) {
+    amx_permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    const char *env = getenv("LORAPLEX_CPU_AMX");
+    amx_on = amx_permitted && !(env && env[0] == '0');
+}
+
+static inline void amx_configure(int mr) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 7; t++) {       /* 0-2: C (fp32 sums), 3: A (x rows), 4-6: B (the panel's groups) */
+        c.colsb[t] = 64;
+        c.rows[t] = t <= 3 ? mr : 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* the prefetches a k step kp runs (as tile_vnni's loop does) */
+static inline void amx_prefetches(int kp, const lora_args *l, lora_prefetch *pf, walker *walk,
+                                  const uint16_t *next, int *share, int shares) {
+    if ((kp & (PF_EVERY - 1)) == 0) {
+        if (l)
+            for (int q = 0; q < PF_EVERY; q++) prefetch_step(pf);
+        if (walk) walker_step(walk);
+    }
+    if (next && (*share)-- == 0) {
+        for (int j = 0; j < NV; j++) _mm_prefetch((const char *)(next + (int64_t)kp * 2 * NB + 32 * j), _MM_HINT_T0);
+        *share = shares - 1;
+    }
+}
+
+static inline __attribute__((always_inline)) void tile_amx(const uint16_t *x, int64_t xs, const uint16_t *p,
+                                                           uint16_t *y, int64_t ys, int K, int mr, int ncols,
+                                                           const lora_args *l, int64_t m, int c0, walker *walk,
+                                                           const uint16_t *next, int share, int shares) {
+    const int nv = (ncols + 15) / 16, k32 = K / 32 * 32;
+    col_map cm;
+    lora_prefetch pf;
+    if (l) {
+        cm = map_columns(l, c0, ncols);
+        prefetch_init(&pf, l, &cm, m, mr, ncols);
+    }
+    amx_configure(mr);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    int kp = 0;
+    for (int k = 0; k < k32; k += 32) {
+        for (int q = 0; q < 16; q++, kp++) amx_prefetches(kp, l, &pf, walk, next, &share, shares);
+        const uint16_t *pk = p + (int64_t)k * NB;          /* pair row k / 2 */
+        _tile_loadd(3, x + k, xs * 2);
+        _tile_loadd(4, pk, 4 * NB);
+        _tile_dpbf16ps(0, 3, 4);
+        if (nv > 1) {
+            _tile_loadd(5, pk + 32, 4 * NB);
+            _tile_dpbf16ps(1, 3, 5);
+        }
+        if (nv > 2) {
+            _tile_loadd(6, pk + 64, 4 * NB);
+            _tile_dpbf16ps(2, 3, 6);
+        }
+    }
+    float sums[MR * NB];
+    _tile_stored(0, sums, NB * 4);
+    _tile_stored(1, sums + 16, NB * 4);
+    _tile_stored(2, sums + 32, NB * 4);
+    for (; kp < K / 2; kp++) {            /* the last k % 32 */
+        amx_prefetches(kp, l, &pf, walk, next, &share, shares);
+        for (int r = 0; r < mr; r++) {
+            const __m512bh b = (__m512bh)_mm512_set1_epi32(((const int32_t *)(x + r * xs))[kp]);
+            for (int j = 0; j < nv; j++) {
+                const __m512bh w = (__m512bh)_mm512_loadu_si512(p + (int64_t)kp * 2 * NB + 32 * j);
+                _mm512_storeu_ps(sums + r * NB + 16 * j, _mm512_dpbf16_ps(_mm512_loadu_ps(sums + r * NB + 16 * j), w, b));
+            }
+        }
+    }
+    if (l) lora_epilogue(l, &cm, m, mr, ncols, sums);
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < nv; j++) {
+            const int c16 = ncols - 16 * j;
+            const __mmask16 mask = c16 >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << c16) - 1);
+            _mm256_mask_storeu_epi16(y + r * ys + 16 * j, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(sums + r * NB + 16 * j)));
+        }
+}
+#endif
+
+/* on: 1 AMX tiles where this CPU and kernel allow, 0 vdpbf16ps tiles, -1 as they are -> 1 if AMX tiles run
+ * now (this library's own switch). */
+int gemm_amx(int on) {
+#if GEMM_AMX
+    if (on >= 0) amx_on = on && amx_permitted;
+    return amx_on;
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
+/* A tile of MR rows: on AMX where it runs, else as register tiles of MRV rows (the first carries the
+ * prefetches). */
+static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y,
+                                                       int64_t ys, int K, int mr, int ncols, const lora_args *l,
+                                                       int64_t m, int c0, walker *walk,
+                                                       const uint16_t *next, int share, int shares) {
+#if GEMM_AMX
+    if (amx_on) {
+        tile_amx(x, xs, p, y, ys, K, mr, ncols, l, m, c0, walk, next, share, shares);
+        return;
+    }
+#endif
+    tile_vnni(x, xs, p, y, ys, K, mr < MRV ? mr : MRV, ncols, l, m, c0, walk, next, share, shares);
+    for (int r = MRV; r < mr; r += MRV)
+        tile_vnni(x + r * xs, xs, p, y + r * ys, ys, K, mr - r < MRV ? mr - r : MRV, ncols, l, m + r, c0, 0, 0, 0, 1);
+}

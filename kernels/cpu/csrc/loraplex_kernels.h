@@ -40,6 +40,7 @@ int gemm_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y, int
 int gemm_lora_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y, int64_t ys, int M, int K, int N,
                    const int64_t *slot, const int64_t *rank, const uint16_t *const *a, int R, int G,
                    const uint16_t *const *b, const int64_t *out, uint32_t *vp, int64_t vp_stride);
+int gemm_amx(int on);    /* each AVX512-BF16 GEMM library's (and decoder's) switch: gemm_tile.h */
 int gemm_bf16_avx2(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y, int64_t ys, int M, int K, int N);
 
 /* lora.c */

@@ -50,7 +50,7 @@ def _generate(llm, on: bool, adapter=None):
     return [(o.token_ids, o.outputs[0].logprobs, o.prompt_logprobs) for o in outs]
 
 
-def test_same_bits_as_the_op_by_op_loop(llm, calls):
+def test_same_bits_as_the_op_by_op_loop(llm, calls, amx_tiles):
     fused = _generate(llm, True)
     assert calls["runs"] > 0 and calls["loops"] == 0
     runs = calls["runs"]

@@ -7,7 +7,8 @@ import torch
 from kernels.cpu import gemm
 from kernels.cpu import lora as c_lora
 
-pytestmark = pytest.mark.skipif(not c_lora.supports_fused(torch.bfloat16), reason="no AVX512-BF16 C GEMM here")
+pytestmark = [pytest.mark.skipif(not c_lora.supports_fused(torch.bfloat16), reason="no AVX512-BF16 C GEMM here"),
+              pytest.mark.usefixtures("amx_tiles")]
 
 
 def case(slots, rank, n_in, outs, m, seed=0):
