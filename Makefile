@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.installed
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
 
-.PHONY: setup serve test bench clean gpu-check soak
+.PHONY: setup serve test bench clean gpu-check soak browser
 
 setup: $(STAMP)
 
@@ -25,7 +25,14 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(BIN)/loraplex serve --host $(HOST) --port $(PORT)
 
-test: $(STAMP)
+# headless Chromium for the /dashboard browser test (tests/frontends/test_dashboard.py): Debian's packages
+APT := $(if $(filter 0,$(shell id -u)),,sudo) apt-get -y -qq
+browser:
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  { export DEBIAN_FRONTEND=noninteractive; $(APT) install chromium chromium-driver >/dev/null || \
+	    { $(APT) update && $(APT) install chromium chromium-driver >/dev/null; }; }
+
+test: $(STAMP) browser
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests
 

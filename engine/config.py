@@ -145,7 +145,8 @@ class LoraConfig:
     backend (the CPU and Triton backends read adapters in place in the pool's pages; the reference
     backend's slots grow). max_lora_rank: the largest rank
     accepted; max_cpu_loras / max_cpu_lora_bytes: the host-memory tier between disk and the page pool;
-    loader_threads: the threads that load adapters beside the step (engine/lora/loader.py)."""
+    loader_threads: the threads that load adapters beside the step (engine/lora/loader.py); host_tier_dtype:
+    "auto" (the model's dtype) or "int8" (engine/lora/int8_pages.py: half the bytes of bf16, lossy)."""
     enable_lora: bool = True
     max_loras: int | None = None
     max_lora_rank: int = 64
@@ -153,6 +154,7 @@ class LoraConfig:
     max_cpu_lora_bytes: int = 4 << 30
     starvation_steps: int = 64
     loader_threads: int = 1
+    host_tier_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -194,8 +196,12 @@ class EngineConfig:
                             ("block_size", c.block_size), ("kv_cache_memory_bytes", c.kv_cache_memory_bytes)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        from engine.lora.int8_pages import HOST_TIER_DTYPES
         from engine.waiting_queue import policy_class
         from kernels.selector import BACKENDS, resolve_device
+        if lo.host_tier_dtype not in HOST_TIER_DTYPES:
+            raise ValueError(f"host_tier_dtype must be one of {', '.join(HOST_TIER_DTYPES)}, "
+                             f"got {lo.host_tier_dtype!r}")
         policy_class(s.scheduling_policy)
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")

@@ -10,11 +10,14 @@
     max_waiting = 32                     # its own bound on queued requests (optional)
 
 With auth configured (an `[auth]` table, or `--api-key`, which is one admin key) every `/v1/*` call needs
-`Authorization: Bearer KEY`. A tenant never learns what it may not use: an adapter outside its patterns
+`Authorization: Bearer KEY` (a browser opening /dashboard may give the key as Basic credentials instead:
+any user name, the key as password). A tenant never learns what it may not use: an adapter outside its patterns
 is answered as one that does not exist.
 """
 from __future__ import annotations
 
+import base64
+import binascii
 import fnmatch
 import hmac
 from dataclasses import dataclass, field
@@ -83,11 +86,17 @@ class Auth:
         return bool(self._by_key)
 
     def caller(self, authorization: str) -> Caller | None:
-        """The caller of an `Authorization` header's Bearer key; None when it names no known key."""
+        """The caller of an `Authorization` header's key (Bearer, or Basic with the key as password); None
+        when it names no known key."""
         if not self.enabled:
             return ANONYMOUS_ADMIN
         scheme, _, key = authorization.partition(" ")
-        if scheme != "Bearer" or not key:
+        if scheme == "Basic" and key:           # a browser's credentials: the key is the password
+            try:
+                key = base64.b64decode(key.strip(), validate=True).decode().partition(":")[2]
+            except (binascii.Error, UnicodeDecodeError):
+                return None
+        if scheme not in ("Bearer", "Basic") or not key:
             return None
         for known, who in self._by_key.items():      # NOTE: constant-time per key, no early exit on a match
             if hmac.compare_digest(known.encode(), key.strip().encode()):

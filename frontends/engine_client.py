@@ -29,8 +29,9 @@ import zmq
 import zmq.asyncio
 
 from engine import metrics
-from ipc.outputs import AdapterReply, EngineStatus, RequestOutput, decode_outputs
-from ipc.requests import AbortRequest, AdapterCommand, GenerateRequest, Hello, encode_request
+from ipc.outputs import AdapterReply, EngineStatus, PoolReply, RequestOutput, decode_outputs
+from ipc.pool_report import PoolReport
+from ipc.requests import AbortRequest, AdapterCommand, GenerateRequest, Hello, PoolQuery, encode_request
 from ipc.sampling_params import SamplingParams
 
 log = logging.getLogger("loraplex.client")
@@ -122,7 +123,7 @@ class AsyncEngineClient:
                         await self._overflowed(msg.request_id, q)
                     elif q is not None:
                         q.put_nowait(self._carry_on(msg))
-                elif isinstance(msg, AdapterReply):
+                elif isinstance(msg, AdapterReply | PoolReply):
                     fut = self._replies.pop(msg.command_id, None)
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
@@ -251,6 +252,20 @@ class AsyncEngineClient:
 
     async def list_adapters(self) -> list[str]:
         return (await self._adapter("list")).adapters
+
+    async def pool_report(self) -> PoolReport:
+        """The engine's pool and adapters now (ipc/pool_report.py), built between two of its steps."""
+        cid = f"{self.client_id}-pool-{next(self._ids)}"
+        fut = asyncio.get_running_loop().create_future()
+        self._replies[cid] = fut
+        await self.sock.send(encode_request(PoolQuery(cid)))
+        try:
+            reply = await asyncio.wait_for(fut, timeout=30)
+        finally:
+            self._replies.pop(cid, None)
+        if not isinstance(reply, PoolReply):        # the engine restarted meanwhile
+            raise EngineError(reply.error or "the engine did not answer", 503)
+        return reply.report
 
 
 class EngineClient:

@@ -1,6 +1,7 @@
 """Every answer of the HTTP frontend in OpenAI's error shape, and who is calling.
 
-The middleware resolves the caller from its API key (401 on /v1/* without a valid one; frontends/auth.py),
+The middleware resolves the caller from its API key (401 on /v1/* and /dashboard without a valid one;
+frontends/auth.py),
 then turns what a handler raises into a JSON error: ApiError as it says, the engine's refusals with
 their status (a 404 for an adapter a tenant may not see reads as any unknown model; a 429 carries
 Retry-After), aiohttp's own 4xx (unknown route, method, a body too large), and a bug of ours as a logged
@@ -19,6 +20,7 @@ from frontends.engine_client import EngineError
 from frontends.reply import reply
 
 log = logging.getLogger("loraplex.http")
+DASHBOARD = "/dashboard"     # the one page outside /v1/ that needs a key (frontends/dashboard.html)
 RETRY_AFTER_S = 1     # what a 429 (the waiting queue full) tells the client to wait
 
 
@@ -32,12 +34,15 @@ def error_middleware(auth: Auth):
     async def errors(request: web.Request, handler):
         try:
             caller = auth.caller(request.headers.get("Authorization", ""))
-            if request.path.startswith("/v1/") and caller is None:
+            if (request.path.startswith("/v1/") or request.path == DASHBOARD) and caller is None:
                 raise ApiError(401, "missing or wrong API key", code="invalid_api_key")
             request["caller"] = caller or ANONYMOUS_ADMIN
             return await handler(request)
         except ApiError as e:
-            return reply(e.response(), e.status)
+            # a browser asks for the key (Basic credentials) when the page itself is refused
+            page = e.status == 401 and request.path == DASHBOARD
+            ask = {"WWW-Authenticate": 'Basic realm="loraplex"'} if page else None
+            return reply(e.response(), e.status, ask)
         except EngineError as e:
             message = str(e)
             if e.status == 404 and not request.get("caller", ANONYMOUS_ADMIN).is_admin:

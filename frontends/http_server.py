@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 from aiohttp import web
 
@@ -29,6 +30,7 @@ from frontends.openapi import openapi_document
 from frontends.reply import reply
 
 log = logging.getLogger("loraplex.http")
+DASHBOARD = (Path(__file__).parent / "dashboard.html").read_text()
 
 
 class OpenAIServer:
@@ -53,6 +55,7 @@ class OpenAIServer:
                         web.get("/v1/models", self.models),
                         web.post("/v1/load_lora_adapter", self.load_adapter),
                         web.post("/v1/unload_lora_adapter", self.unload_adapter),
+                        web.get("/v1/pool", self.pool), web.get("/dashboard", self.dashboard),
                         web.get("/health", self.health), web.get("/metrics", self.metrics),
                         web.get("/openapi.json", self.openapi)])
         return app
@@ -91,6 +94,23 @@ class OpenAIServer:
         await self.client.until_healthy()
         await self.client.unload_adapter(name)
         return reply(r.StatusReply(status="ok", message=f"adapter {name!r} unloaded"))
+
+    # -- the pool, live ----------------------------------------------------------------------------------
+    async def pool(self, request: web.Request) -> web.Response:
+        """The engine's pool and adapters now (ipc/pool_report.py); admins only: it names every adapter and
+        tenant."""
+        if not request["caller"].is_admin:
+            raise ApiError(403, "/v1/pool is for admins", code="permission_denied")
+        await self.client.until_healthy()
+        return reply(await self.client.pool_report())
+
+    async def dashboard(self, request: web.Request) -> web.Response:
+        """One static page (frontends/dashboard.html, no external assets) that draws GET /v1/pool each second.
+        With keys configured it needs an admin key: a browser gives it as Basic credentials (any user name,
+        the key as password), which it then sends with the page's own calls."""
+        if not request["caller"].is_admin:
+            raise ApiError(403, "/dashboard is for admins", code="permission_denied")
+        return web.Response(text=DASHBOARD, content_type="text/html", headers={"Cache-Control": "no-store"})
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(self.document)

@@ -7,6 +7,7 @@ import msgspec
 
 from frontends import api_requests as q
 from frontends import api_responses as r
+from ipc.pool_report import PoolReport
 
 _REF = "#/components/schemas/{name}"
 _ERRORS = {"400": "the request is invalid (the error names the field)", "401": "missing or wrong API key",
@@ -40,7 +41,7 @@ def _operation(summary: str, response: str, request: str | None = None, chunk: s
 def openapi_document(secured: bool) -> dict:
     """The document. secured: the server was started with keys ([auth] or --api-key): /v1/* needs a bearer key."""
     types = [q.CompletionRequest, q.ChatCompletionRequest, q.LoadLoraRequest, q.UnloadLoraRequest, r.Completion,
-             r.ChatCompletion, r.ChatCompletionChunk, r.ModelList, r.StatusReply, r.ErrorResponse]
+             r.ChatCompletion, r.ChatCompletionChunk, r.ModelList, r.StatusReply, r.ErrorResponse, PoolReport]
     _, components = msgspec.json.schema_components(types, ref_template=_REF)
     admin = ("400", "401", "403", "404", "503")
     paths = {
@@ -53,6 +54,14 @@ def openapi_document(secured: bool) -> dict:
                                                      "LoadLoraRequest", errors=admin)},
         "/v1/unload_lora_adapter": {"post": _operation("Unload an adapter", "StatusReply", "UnloadLoraRequest",
                                                        errors=admin)},
+        "/v1/pool": {"get": _operation("The pool, the adapters by tier, loads and tenants' shares, now (admin)",
+                                       "PoolReport", errors=("401", "403", "503"))},
+        "/dashboard": {"get": {"summary": "A live page of /v1/pool (admin; a browser may give the key as Basic "
+                                          "credentials, the key as password)",
+                               "responses": {"200": {"description": "one HTML page with its script",
+                                                     "content": {"text/html": {"schema": {"type": "string"}}}},
+                                             **{c: _json(_REF.format(name="ErrorResponse"), _ERRORS[c])
+                                                for c in ("401", "403")}}}},
         "/health": {"get": {"summary": "200 while the engine answers, 503 otherwise", "security": [],
                             "responses": {"200": _json(_REF.format(name="StatusReply"), "healthy"),
                                           "503": _json(_REF.format(name="StatusReply"), "engine unavailable")}}},

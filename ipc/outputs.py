@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import msgspec
 
+from ipc.pool_report import PoolReport
+
 _STRUCT = dict(array_like=True, omit_defaults=True, gc=False, tag_field="t")
 
 
@@ -51,7 +53,13 @@ class EngineStatus(msgspec.Struct, tag="status", **_STRUCT):
     vocab_size: int = 0      # token ids are in [0, vocab_size); 0: not told
 
 
-EngineOutput = RequestOutput | AdapterReply | EngineStatus
+class PoolReply(msgspec.Struct, tag="pool", **_STRUCT):
+    """The answer to a PoolQuery."""
+    command_id: str
+    report: PoolReport
+
+
+EngineOutput = RequestOutput | AdapterReply | EngineStatus | PoolReply
 _decoder = msgspec.msgpack.Decoder(list[EngineOutput])
 _encoder = msgspec.msgpack.Encoder()
 

@@ -42,12 +42,17 @@ class AdapterCommand(msgspec.Struct, tag="adapter", **_STRUCT):
     pinned: bool = False
 
 
+class PoolQuery(msgspec.Struct, tag="pool", **_STRUCT):
+    """Ask for a PoolReport (ipc/pool_report.py), answered by a PoolReply."""
+    command_id: str
+
+
 class Hello(msgspec.Struct, tag="hello", **_STRUCT):
     """A frontend announces itself; the engine answers with an EngineStatus and keeps it updated."""
     frontend_id: str
 
 
-EngineRequest = GenerateRequest | AbortRequest | AdapterCommand | Hello
+EngineRequest = GenerateRequest | AbortRequest | AdapterCommand | PoolQuery | Hello
 _decoder = msgspec.msgpack.Decoder(EngineRequest)
 _encoder = msgspec.msgpack.Encoder()
 

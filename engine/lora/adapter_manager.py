@@ -105,7 +105,8 @@ class AdapterManager:
         self.next_use: dict[int, int] = {}
         self._ids = itertools.count(1)
         self.copier = PageCopier(storage)
-        self.loader = AdapterLoader(storage, model.dtype, self.packer, self.copier.cuda, cfg.loader_threads)
+        self.loader = AdapterLoader(storage, model.dtype, self.packer, self.copier.cuda, cfg.loader_threads,
+                                    host_int8=cfg.host_tier_dtype == "int8")
         self.host = HostTier(cfg.max_cpu_loras, cfg.max_cpu_lora_bytes)
         self._failed: list[tuple[Adapter, str]] = []   # failures wait_loads saw, for the next poll
         # host copies (see the module's invariants): resident adapters loaded in place that have none yet,
@@ -116,6 +117,7 @@ class AdapterManager:
         # (bounded: an offline LLM has no one taking them)
         self.load_seconds: deque[float] = deque(maxlen=4096)
         self.load_waits: deque[float] = deque(maxlen=4096)
+        self.recent_loads: deque[tuple[str, float, float]] = deque(maxlen=64)   # (name, seconds, time.time())
 
     # -- registry ---------------------------------------------------------------------------------------
     def describe(self, path: str | Path) -> AdapterFiles:
@@ -227,11 +229,11 @@ class AdapterManager:
                     continue
                 err = a.future.exception()
                 if err is None:
-                    packed = a.future.result()
-                    if packed is None:              # packed in place from its file: copied out later
+                    packed, host = a.future.result()
+                    if host is None:                # packed in place from its file: copied out later
                         self._wanting.add(a.adapter_id)
                     else:
-                        self.host.put(a.adapter_id, packed)
+                        self.host.put(a.adapter_id, host)
                     if self.copier.cuda:
                         self.copier.copy(a.adapter_id, a.pages, packed)
                 a.future = None
@@ -242,6 +244,7 @@ class AdapterManager:
                 self.lru[a.adapter_id] = None
                 self.stats.loads += 1
                 self.load_seconds.append(time.monotonic() - a.load_started)
+                self.recent_loads.append((a.name, self.load_seconds[-1], time.time()))
                 self._maybe_drop(a)
             else:
                 self.pool.free(a.pages)

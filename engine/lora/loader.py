@@ -31,10 +31,12 @@ import mmap
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 
 from engine.lora.host_adapter import AdapterFiles, check_finite, files_signature, read_weights
+from engine.lora.int8_pages import Int8Pages
 from engine.lora.peft_config import module_path
 from kernels.lora_layout import LoraPacker, PackedLayout
 
@@ -132,14 +134,24 @@ def write_pages(storage: torch.Tensor, pages: list[int], packed: torch.Tensor, p
         storage[page].copy_(row)
 
 
+class Loaded(NamedTuple):
+    """A load's result: the packed rows for the pool (None: packed in place) and the host tier's copy of
+    them (the same rows, or their Int8Pages; None: none made)."""
+    packed: torch.Tensor | None
+    host: torch.Tensor | Int8Pages | None
+
+
 class CopyYielded(Exception):
     """A copy_out job stopped so that a load waiting behind it runs first (the copy is taken again later)."""
 
 
 class AdapterLoader:
-    def __init__(self, storage: torch.Tensor, dtype: torch.dtype, packer: LoraPacker, on_gpu: bool, threads: int = 1):
+    def __init__(self, storage: torch.Tensor, dtype: torch.dtype, packer: LoraPacker, on_gpu: bool, threads: int = 1,
+                 host_int8: bool = False):
         """packer: the backend's page layout; on_gpu: the pool is on a GPU (PageCopier.cuda): jobs pack
-        pinned rows and leave the copy."""
+        pinned rows and leave the copy; host_int8: host copies are Int8Pages (quantized and dequantized
+        here, on the loader's threads)."""
+        self.host_int8 = host_int8
         self.storage = storage                  # [num_pages, page_elems], the pool
         self.page_elems = storage.shape[1]
         self.dtype = dtype
@@ -156,12 +168,13 @@ class AdapterLoader:
         self._loads_waiting = 0                 # load jobs submitted and not started: a copy_out gives way
 
     def load(self, files: AdapterFiles, layout: PackedLayout, pages: list[int],
-             packed: torch.Tensor | None = None) -> Future:
-        """Start a load: -> a future of the packed rows [len(pages), page_elems]. On the host the rows are
-        in their pages when it completes; on a GPU the caller copies them (PageCopier). `packed`: the host
-        tier's copy, if it has one (no file is read). On the host, when the backend's packer reads the file
-        in one pass, the job packs straight into the pages and the future's result is None: no host copy
-        was made (the caller may take one later, `copy_out`)."""
+             packed: torch.Tensor | Int8Pages | None = None) -> Future:
+        """Start a load: -> a future of Loaded: the packed rows [len(pages), page_elems] and the host tier's
+        copy of them. On the host the rows are in their pages when it completes; on a GPU the caller copies
+        them (PageCopier). `packed`: the host tier's copy, if it has one (no file is read; an int8 one is
+        dequantized here). On the host, when the backend's packer reads the file in one pass, the job packs
+        straight into the pages and the future's result is Loaded(None, None): no host copy was made (the
+        caller may take one later, `copy_out`)."""
         with self._lock:
             self._loads_waiting += 1
         return self.pool.submit(self._job, files, layout, pages, packed)
@@ -172,13 +185,17 @@ class AdapterLoader:
         self.hold.wait()
         if packed is None and not self.cuda and packs_in_place(files, self.dtype, self.packer):
             pack_in_place(files, layout, self.storage, pages, self.dtype, self.packer, pace=self._pace)
-            return None
+            return Loaded(None, None)
+        host = packed
+        if isinstance(packed, Int8Pages):
+            packed = packed.dequantize(self.dtype, pin=self.cuda)
         if packed is None:
             packed = read_packed(files, layout, self.page_elems, self.dtype, self.packer, pin=self.cuda,
                                  pace=self._pace)
+            host = Int8Pages.quantize(packed) if self.host_int8 else packed
         if not self.cuda:
             write_pages(self.storage, pages, packed, pace=self._pace)
-        return packed
+        return Loaded(packed, host)
 
     def copy_out(self, pages: list[int], stop: threading.Event) -> Future:
         """Start copying these pages of the pool (host memory) into a new host buffer: -> a future of it,
@@ -197,7 +214,7 @@ class AdapterLoader:
                 if self.gate.wait(0.001):
                     break
             row.copy_(self.storage[page])
-        return out
+        return Int8Pages.quantize(out) if self.host_int8 else out
 
     def _pace(self) -> None:
         """Before each piece: while a step computes, rest DUTY_REST times as long as the last piece took."""

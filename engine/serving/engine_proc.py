@@ -33,9 +33,10 @@ from engine.output_processor import OutputProcessor
 from engine.serving.adapter_commands import AdapterCommands
 from engine.serving.adapter_journal import AdapterJournal
 from engine.serving.engine_stats import EngineStatsPublisher
+from engine.serving.pool_view import PoolView
 from engine.serving.request_routes import RequestRoutes
-from ipc.outputs import EngineStatus, RequestOutput, encode_outputs
-from ipc.requests import AbortRequest, AdapterCommand, GenerateRequest, Hello, decode_request
+from ipc.outputs import EngineStatus, PoolReply, RequestOutput, encode_outputs
+from ipc.requests import AbortRequest, AdapterCommand, GenerateRequest, Hello, PoolQuery, decode_request
 
 log = logging.getLogger("loraplex.engine")
 FRONTEND_TIMEOUT = 5.0
@@ -74,6 +75,7 @@ class AsyncEngine:
                                            self.lora_roots, self.runtime_lora, self.journal)
         catalog = self.adapter_ops.catalog
         self.stats = EngineStatsPublisher(self.core, listed=lambda: len(catalog.listed) if catalog else 0)
+        self.pool_view = PoolView(self.core, listed=lambda: set(catalog.listed) if catalog else set())
         if self.adapter_ops.catalog is not None:
             log.info("%d adapters listed in %s (each read when first used)", len(self.adapter_ops.catalog.listed),
                      self.adapter_dir)
@@ -175,6 +177,7 @@ class AsyncEngine:
     async def heartbeat(self) -> None:
         while True:
             self.drop_silent_frontends()
+            self.pool_view.sample()
             await self.broadcast_status()
             await asyncio.sleep(1.0)
 
@@ -207,6 +210,8 @@ class AsyncEngine:
                     self.forget(rid)
         elif isinstance(msg, AdapterCommand):
             await self.send_q.put((identity, await self.adapter_ops.handle(msg)))
+        elif isinstance(msg, PoolQuery):      # built between two steps: the engine thread runs one thing at a time
+            await self.send_q.put((identity, PoolReply(msg.command_id, await self._run(self.pool_view.report))))
 
     def over_limit(self, req: GenerateRequest) -> str | None:
         """Why `req` cannot join the waiting queue now (the global or its tenant's bound), or None."""
@@ -232,6 +237,7 @@ class AsyncEngine:
             return await self.refuse(identity, req.request_id, str(e.args[0]) if e.args else str(e), 404)
         except ValueError as e:
             return await self.refuse(identity, req.request_id, str(e), 400)
+        self.pool_view.note_request(req.adapter)
         self.routes.add(req.request_id, identity, req.stream)
         self.processor.add(req.request_id, req.prompt_token_ids, req.params.stop,
                            req.params.include_stop_str_in_output, req.resumed, req.resumed_chars)

@@ -20,6 +20,7 @@ from schemathesis.core.transport import STREAM_CUT_SHORT_ATTRIBUTE
 from schemathesis.generation import GenerationMode
 
 from frontends import api_responses as r
+from ipc.pool_report import PoolReport
 from tests.frontends.server_fixture import Server
 
 KEY = "sk-fuzz"
@@ -31,7 +32,7 @@ PER_OPERATION = {op: n * SCALE for op, n in {"POST /v1/completions": 300, "POST 
 # per generation mode; the GETs take no input: 5 each
 RESPONSE = {"/v1/completions": r.Completion, "/v1/chat/completions": r.ChatCompletion,
             "/v1/models": r.ModelList, "/v1/load_lora_adapter": r.StatusReply,
-            "/v1/unload_lora_adapter": r.StatusReply, "/health": r.StatusReply}
+            "/v1/unload_lora_adapter": r.StatusReply, "/health": r.StatusReply, "/v1/pool": PoolReport}
 EVENT = {"/v1/completions": r.Completion, "/v1/chat/completions": r.ChatCompletionChunk}
 
 
