@@ -31,6 +31,8 @@ def warm_up(core) -> None:
         if core.adapters is not None:
             write_adapter(Path(d), core.cfg.model, min(16, core.cfg.lora.max_lora_rank))
             core.register_adapter(NAME, d)
+            core.prefetch_adapter(NAME)          # loaded before the first step, so that both rows share
+            core.adapters.wait_loads()           # the batch (else a fast base row may finish alone)
             adapter = NAME
         try:
             for i, name in enumerate((None, adapter) if adapter else (None,)):
