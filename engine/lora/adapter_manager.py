@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 
 from engine.config import LoraConfig, ModelConfig
-from engine.lora.digest import content_digest, shape_key
 from engine.lora.host_adapter import AdapterFiles, describe_adapter
 from engine.lora.host_tier import HostTier
 from engine.lora.loader import AdapterLoader
@@ -68,9 +67,6 @@ class Adapter:
     copy_stop: threading.Event | None = None   # set: that copy is abandoned (its pages freed)
     error: str | None = None
     load_started: float = 0.0   # time.monotonic() when its current load began
-    digest: str = ""            # its content (engine/lora/digest.py), "" until hashed: names of one content
-    names: set[str] = field(default_factory=set)   # share this Adapter; the names registered for it
-    shape_key: str = ""
 
 
 @dataclass
@@ -101,8 +97,6 @@ class AdapterManager:
         self.packer = packer or LoraPacker()
         self.by_name: dict[str, Adapter] = {}
         self.by_id: dict[int, Adapter] = {}
-        self.by_key: dict[str, list[Adapter]] = {}  # shape key (engine/lora/digest.py) -> registered adapters
-        self.digester = ThreadPoolExecutor(1, thread_name_prefix="loraplex-digest")
         self.lru: OrderedDict[int, None] = OrderedDict()   # resident adapters, least recent first
         self.stats = AdapterStats()
         self.on_drop: list = []             # callbacks(adapter_id) when an adapter's weights are gone
@@ -133,32 +127,12 @@ class AdapterManager:
     def register(self, name: str, path: str | Path, pinned: bool = False, files: AdapterFiles | None = None) -> Adapter:
         """Register the adapter at `path` under `name`, described by `files` (describe(path) if not given).
 
-        Adapters are known by content (engine/lora/digest.py): a name whose content is already registered
-        under another name becomes one more name of that adapter (one set of pages, one host copy, one
-        prefix cache). Registering a name again with the same content changes nothing; with other content
-        the old adapter is unregistered (its prefix-cache blocks dropped) once its requests finish and new
-        requests get the new weights, never the old ones' pages or KV blocks. Only adapters with the same
-        shape key are hashed here (`digests_needed` says which, for a caller that hashes them first on
-        another thread); the others' digests come in the background. A pinned adapter's load starts at once."""
+        Registering a name again replaces it: the old adapter is unregistered (its prefix-cache blocks
+        dropped) once its requests finish; new requests get the new weights. A pinned adapter's load
+        starts at once."""
         check_adapter_name(name)
         path = Path(path)
         files = files or self.describe(path)
-        key = shape_key(path)
-        old = self.by_name.get(name)
-        twins = self._twins(key)
-        if twins:
-            digest = content_digest(path)
-            for t in twins:
-                t.digest = t.digest or content_digest(t.path)
-            same = next((t for t in twins if t.digest == digest and (t.pinned or not pinned)), None)
-            if same is not None and same is old:
-                return old
-            if same is not None:
-                if old is not None:
-                    self.unregister(name)
-                self.by_name[name] = same
-                same.names.add(name)
-                return same
         layout = self.packer.plan(files.module_shapes(), self.page_elems)
         need = layout.num_pages(self.page_elems)
         if pinned and self._pinned_pages() + need + self._largest_pages(need) > self.pool.num_pages:
@@ -168,52 +142,20 @@ class AdapterManager:
         old = self.by_name.get(name)
         if old is not None:
             self.unregister(name)
-        a = Adapter(name, next(self._ids), path, files, layout, pinned, digest=digest if twins else "",
-                    names={name}, shape_key=key)
+        a = Adapter(name, next(self._ids), path, files, layout, pinned)
         self.by_name[name] = a
         self.by_id[a.adapter_id] = a
-        self.by_key.setdefault(key, []).append(a)
-        if not a.digest:
-            self.digester.submit(self._digest_later, a)
         if pinned:
             self.start_load(a)
         return a
 
     def unregister(self, name: str) -> None:
-        """Refuse new requests for `name` now; once no name is left for its content, free its pages and host
-        copy when its requests are done."""
+        """Refuse new requests for `name` now; free its pages and host copy when its requests are done."""
         a = self.by_name.pop(name, None)
         if a is None:
             raise KeyError(f"adapter {name!r} is not registered")
-        a.names.discard(name)
-        if a.names:
-            if a.name == name:
-                a.name = min(a.names)
-            return
-        same_key = self.by_key.get(a.shape_key, [])
-        if a in same_key:
-            same_key.remove(a)
-            if not same_key:
-                del self.by_key[a.shape_key]
         a.unregistering = True
         self._maybe_drop(a)
-
-    def _twins(self, key: str) -> list[Adapter]:
-        """The registered adapters (loadable, not going away) with this shape key."""
-        return [a for a in self.by_key.get(key, ()) if not a.unregistering and a.error is None]
-
-    def digests_needed(self, path: str | Path) -> list[Path]:
-        """The folders register(path) would hash now (its own and its shape twins' not hashed yet): a caller
-        on another thread hashes them first (content_digest remembers them), so register does not."""
-        twins = self._twins(shape_key(path))
-        return [Path(path), *(t.path for t in twins if not t.digest)] if twins else []
-
-    def _digest_later(self, a: Adapter) -> None:
-        """On the digest thread: an adapter's digest, for /v1/models (a failure leaves it unknown)."""
-        try:
-            a.digest = a.digest or content_digest(a.path, pace=self.loader.behind_loads)
-        except (OSError, ValueError) as e:
-            log.warning("adapter %r: no content digest: %s", a.name, e)
 
     def lookup(self, name: str) -> Adapter:
         a = self.by_name.get(name)
@@ -441,8 +383,7 @@ class AdapterManager:
         registered adapters' weight files)."""
         page_bytes = self.page_elems * self.storage.element_size()
         pool = sum(len(a.pages) for a in self.by_id.values()) * page_bytes
-        disk = sum(a.files.nbytes for a in {id(a): a for a in self.by_name.values()}.values())
-        return {"pool": pool, "host": self.host.nbytes, "disk": disk}
+        return {"pool": pool, "host": self.host.nbytes, "disk": sum(a.files.nbytes for a in self.by_name.values())}
 
     def tiers(self) -> dict[str, int]:
         counts = {"resident": 0, "loading": 0, "host": len(self.host), "registered": len(self.by_name)}
@@ -452,6 +393,5 @@ class AdapterManager:
         return counts
 
     def close(self) -> None:
-        self.digester.shutdown(wait=False, cancel_futures=True)
         self.loader.close()
 
