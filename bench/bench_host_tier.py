@@ -2,7 +2,7 @@
 bfloat16, the engine's defaults otherwise.
 
 (1) Capacity: 64 adapters of ranks 8/16/32 on all projections each run once, so each leaves a host copy,
-    with the same `max_cpu_lora_bytes` (what 16 of them take in bf16, `--max-cpu-loras 1000`): how many
+    with the same `max_cpu_lora_bytes` (16x their weights' mean bf16 size, `--max-cpu-loras 1000`): how many
     copies each tier keeps, and the ratio (int8 / default).
 (2) Fidelity: the eight fidelity adapters (tests/peft_adapters.py: ranks 4 to 64, rsLoRA, rank and alpha
     patterns, layer subsets), each run once, evicted from the pool, and run again from its host copy:

@@ -75,7 +75,7 @@ def experiment_a(args, work: Path) -> None:
     print(f"    64 rank-16 adapters: {lora:8.1f} tok/s   (runs: {', '.join(f'{x:.0f}' for x in loras)}; "
           f"{stats_line(llm, before)})")
     print(f"    ratio              : {lora / base:.2f}x base-only (target 0.8)")
-    read_s, nbytes = read_time(llm.engine.slots.buf)
+    read_s, nbytes = read_time(llm.engine)
     steps = args.out_len - 1                    # decode steps: each reads every adapter's A and B once
     base_s = n * args.out_len / base
     print(f"    memory             : the adapters' {nbytes / 1e6:.0f} MB take {read_s * 1e3:.1f} ms to read once here "
@@ -84,15 +84,19 @@ def experiment_a(args, work: Path) -> None:
     llm.engine.adapters.close()
 
 
-def read_time(bufs: dict) -> tuple[float, int]:
-    """Best time to read every byte of the LoRA slot buffers once (a plain sum), and their size."""
+def read_time(core) -> tuple[float, int]:
+    """Best time to read once as many bytes as the resident adapters' pages hold (a plain sum over that much
+    of the pool's storage: the kernels read the adapters where they rest), and that many bytes."""
+    pages = sum(len(a.pages) for a in core.adapters.by_id.values())
+    region = core.runner.storage[:pages]
     best = float("inf")
     for _ in range(3):
         t = time.perf_counter()
-        for b in bufs.values():
-            b.sum()
+        region.sum()
+        if region.is_cuda:
+            torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t)
-    return best, sum(b.numel() * b.element_size() for b in bufs.values())
+    return best, region.numel() * region.element_size()
 
 
 def experiment_b(args, work: Path) -> None:

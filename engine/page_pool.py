@@ -4,7 +4,8 @@ Invariants:
 - every page is in exactly one state: free (ref_count 0, in `free_queue`) or used (ref_count > 0);
 - a free page may still hold a cached KV block (`page_hash` set): it is reused on a prefix hit and its
   hash is dropped when the page is handed out for something else (least recently freed first);
-- `num_free + sum(used pages) == num_pages` at all times.
+- `num_free + sum(used pages) == num_pages` at all times;
+- `used[kind]` counts the used pages of each kind (kept as pages change hands, so `usage` costs O(1)).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ class PagePool:
         self.hash_to_page: dict[bytes, int] = {}
         # NOTE: OrderedDict as an O(1) LRU queue: oldest freed first.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_pages))
+        self.used = {PageKind.KV: 0, PageKind.ADAPTER: 0}
         self.prefix_hits = 0
         self.prefix_queries = 0
 
@@ -39,10 +41,7 @@ class PagePool:
 
     def usage(self) -> dict[str, int]:
         """Pages by kind: kv, adapter, free (cached-but-free KV blocks count as free)."""
-        counts = {k.value: 0 for k in PageKind}
-        for i in range(self.num_pages):
-            counts[(PageKind.FREE if self.ref_count[i] == 0 else self.kind[i]).value] += 1
-        return counts
+        return {PageKind.FREE.value: len(self.free_queue), **{k.value: n for k, n in self.used.items()}}
 
     # -- allocation -------------------------------------------------------------------------------------
     def can_allocate(self, n: int) -> bool:
@@ -59,6 +58,7 @@ class PagePool:
             self.ref_count[page] = 1
             self.kind[page] = kind
             pages.append(page)
+        self.used[kind] += n
         return pages
 
     def free(self, pages: list[int]) -> None:
@@ -71,6 +71,7 @@ class PagePool:
                 raise RuntimeError(f"page pool: page {page} freed more often than allocated")
             self.ref_count[page] = count
             if count == 0:
+                self.used[self.kind[page]] -= 1
                 self.kind[page] = PageKind.FREE
                 self.free_queue[page] = None
 
@@ -83,6 +84,7 @@ class PagePool:
         if self.ref_count[page] == 0:
             del self.free_queue[page]
             self.kind[page] = PageKind.KV
+            self.used[PageKind.KV] += 1
         self.ref_count[page] += 1
 
     def cache(self, page: int, block_hash: bytes) -> None:

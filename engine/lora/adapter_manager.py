@@ -310,6 +310,8 @@ class AdapterManager:
         for a in list(self.by_id.values()):
             if a.state == AdapterState.LOADING:
                 self.copier.wait(a.adapter_id)
+        failed = self.poll()               # the copies have landed (on a GPU): mark their adapters resident
+        self._failed += failed
 
     # -- eviction ---------------------------------------------------------------------------------------
     def _idle_pages(self, evict_queued: bool) -> int:

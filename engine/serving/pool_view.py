@@ -3,7 +3,7 @@ keep for itself (the pool's occupancy sampled each second, each adapter's recent
 report, built on the engine thread between two steps so that it reads a consistent state.
 
 Bounded: HISTORY_S one-second samples, and per adapter the arrival times of its last minute's requests
-(an adapter with none left is forgotten)."""
+(expired at its next request and when a report is built; an adapter with none left is forgotten)."""
 from __future__ import annotations
 
 import time
@@ -38,17 +38,20 @@ class PoolView:
         if adapter is None:
             return
         now = time.time()
-        self.arrivals.setdefault(adapter, deque()).append(now)
+        q = self.arrivals.setdefault(adapter, deque())
+        q.append(now)
         self.last_request[adapter] = now
-        self._expire(now)
+        self._expire_one(adapter, q, now)        # O(this adapter's expired arrivals): on every request
 
     def _expire(self, now: float) -> None:
-        for name in list(self.arrivals):
-            q = self.arrivals[name]
-            while q and q[0] < now - MINUTE:
-                q.popleft()
-            if not q:
-                del self.arrivals[name]
+        for name, q in list(self.arrivals.items()):
+            self._expire_one(name, q, now)
+
+    def _expire_one(self, name: str, q: deque[float], now: float) -> None:
+        while q and q[0] < now - MINUTE:
+            q.popleft()
+        if not q:
+            del self.arrivals[name]
 
     # -- built on the engine thread -----------------------------------------------------------------------
     def report(self) -> PoolReport:

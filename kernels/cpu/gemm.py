@@ -4,8 +4,8 @@ Two variants, picked once per process by what the CPU has:
 - AVX512-BF16 (gemm_avx512bf16.c): vdpbf16ps over 48-column blocks; with a GemmLora, the same GEMM also
   computes some rows' multi-LoRA (gemm_lora_avx512bf16.c). Measured against oneDNN's pre-packed bf16 GEMM
   on Zen 4 (no AMX): 15-20% faster for the M <= 512 row counts of decode steps, ~4% slower at 2048 rows.
-  Where the CPU has AMX-BF16, the same packed weights run on AMX tiles instead (`amx`; on an AMX Xeon
-  3-9x the vdpbf16ps tiles, and faster than oneDNN's AMX GEMM up to ~128 rows).
+  Where the CPU has AMX-BF16, the same packed weights run on AMX tiles instead (`amx`; on an AMX Xeon the
+  whole engine ran 3.23x faster than on the vdpbf16ps tiles: `bench_engine --tiles`, docs/performance.md).
 - AVX2 + FMA (gemm_avx2.c; AMD Zen, older Intel): bf16 stored in 16-column blocks, fp32 computed. There,
   torch's bf16 matmul has no native kernel and runs 6-9x slower than its fp32 one.
 Both compute each output as one fp32 sum (over k in order; AMX in its own order), rounded once, so a row

@@ -271,3 +271,14 @@ def test_the_warm_up_launches_every_triton_kernel_on_the_device(tiny, reads):
     after = {name: getattr(m, name).count for m, names in KERNELS.items() for name in names}
     assert all(after[k] > before[k] for k in after if k != "_combine_splits_kernel"), (before, after)
     assert not llm.engine.has_unfinished() and llm.engine.pool.usage()["adapter"] == 0
+
+
+def test_wait_loads_returns_with_every_adapter_resident(tiny, reads):
+    """On a GPU a load ends with the copy on the side stream: wait_loads (the warm-up's and bench_coldstart's
+    way to wait) waits for the copies' events and marks the adapters resident, not only LOADING-and-landed."""
+    from engine.lora.adapter_manager import AdapterState
+    core = engine_on_device(tiny, "triton").engine
+    for name in RANKS:
+        core.prefetch_adapter(name)
+    core.adapters.wait_loads()
+    assert {core.adapters.lookup(n).state for n in RANKS} == {AdapterState.RESIDENT}

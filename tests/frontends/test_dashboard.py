@@ -148,6 +148,12 @@ def test_the_page_draws_the_report_and_refreshes(server, browser, tmp_path):
         (e for e in d.find_elements(By.CSS_SELECTOR, "#adapters tbody tr") if e.get_attribute("data-name") == "tiny-r5"
          and e.get_attribute("data-tier") != "listed"), None))
     assert row.find_elements(By.TAG_NAME, "td")[7].text == "2"          # requests in the last minute
+    # thousands of adapters: the table lists the first MAX_ROWS (the report's order: by tier), the note counts all
+    many = dict(r, adapters=r["adapters"] + [{**r["adapters"][0], "name": f"x{i:04d}", "tier": "listed"}
+                                            for i in range(1000)])
+    shown, note = d.execute_script("render(arguments[0]); return [document.querySelectorAll('#adapters tbody tr')"
+                                   ".length, document.getElementById('adapters-note').textContent]", many)
+    assert shown == 200 and note.startswith(f"{len(many['adapters'])} adapters (") and "first 200" in note, note
     # everything it loaded came from this server
     urls = d.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
     assert urls and all(u.startswith(s.url + "/") for u in urls), urls

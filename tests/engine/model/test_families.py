@@ -54,7 +54,7 @@ def family(request, tmp_path_factory, model_dir):
     from transformers import AutoModelForCausalLM
     d = tmp_path_factory.mktemp(f"tiny-{request.param}")
     make_tiny(d / "model", model_dir, request.param)
-    model = AutoModelForCausalLM.from_pretrained(d / "model", dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(d / "model", dtype=torch.float32, attn_implementation="eager").eval()
     oracle = make_adapters(model, d / "adapters", adapter_specs(request.param), seed=3, std=0.4)
     return request.param, d, oracle
 
