@@ -155,7 +155,9 @@ class ChatCompletionChunk(_Shape, kw_only=True):
 # -- models, adapters, health ------------------------------------------------------------------------------
 class Model(_Shape, kw_only=True):
     """The base model (`parent` null, with `max_model_len`) or an adapter (`parent`: the base model).
-    `replicas`: behind the Ray Serve ingress, the replicas that list it."""
+    `replicas`: behind the Ray Serve ingress, the replicas that list it. `digest`: an adapter's content
+    ("sha256:..."; names of one content share it, and share their pages and prefix cache), absent for one
+    listed in --adapter-dir and not read yet."""
     id: str
     object: Literal["model"]
     created: int
@@ -164,6 +166,7 @@ class Model(_Shape, kw_only=True):
     parent: str | None
     max_model_len: int | None = None
     replicas: list[str] | None = None
+    digest: str | None = None
 
 
 class ModelList(_Shape, kw_only=True):

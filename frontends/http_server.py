@@ -72,8 +72,9 @@ class OpenAIServer:
         if caller.may_use(None):
             data.append(r.Model(id=st.model, object="model", created=created, owned_by="loraplex", root=st.model,
                                 parent=None, max_model_len=st.max_model_len))
-        data += [r.Model(id=a, object="model", created=created, owned_by="loraplex", root=a, parent=st.model)
-                 for a in st.adapters if caller.may_use(a)]
+        digests = dict(zip(st.adapters, st.digests))
+        data += [r.Model(id=a, object="model", created=created, owned_by="loraplex", root=a, parent=st.model,
+                         digest=digests.get(a) or None) for a in st.adapters if caller.may_use(a)]
         return reply(r.ModelList(object="list", data=data))
 
     @staticmethod

@@ -51,6 +51,7 @@ class EngineStatus(msgspec.Struct, tag="status", **_STRUCT):
     waiting: int = 0
     incarnation: str = ""    # changes when the engine process is restarted
     vocab_size: int = 0      # token ids are in [0, vocab_size); 0: not told
+    digests: list[str] = []  # each adapter's content digest (engine/lora/digest.py), "" if never read yet
 
 
 class PoolReply(msgspec.Struct, tag="pool", **_STRUCT):

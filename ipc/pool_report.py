@@ -32,6 +32,7 @@ class AdapterRow(msgspec.Struct, kw_only=True):
     "listed" (in --adapter-dir, never read yet), "failed" (its last load failed: `error` says why)."""
     name: str
     tier: str
+    digest: str = ""              # its content (names of one content share it, and their figures)
     pool_bytes: int = 0
     host_bytes: int = 0
     file_bytes: int = 0

@@ -123,8 +123,9 @@ class EngineCore:
             raise ValueError("adapters: LoRA is disabled (enable_lora=False)")
         return self.adapters
 
-    def register_adapter(self, name: str, path: str, pinned: bool = False) -> None:
-        self._lora_manager().register(name, path, pinned)
+    def register_adapter(self, name: str, path: str, pinned: bool = False, hash_now: bool = True) -> None:
+        """hash_now: compare with same-shape adapters by hashing them now (AdapterManager.register)."""
+        self._lora_manager().register(name, path, pinned, hash_now=hash_now)
 
     def prefetch_adapter(self, name: str) -> bool:
         """Start loading a registered adapter's weights now (the loader, beside the step) if the pool has
@@ -193,6 +194,8 @@ class EngineCore:
     # -- stepping ---------------------------------------------------------------------------------------
     def step(self) -> list[TokenOutput]:
         """Schedule, run the model once, and report every request that got a token or finished."""
+        if self.adapters is not None:
+            self.adapters.idle.clear()          # background digests give way from now on
         results = self._finish_failed_loads()
         out = self.scheduler.schedule()
         if out.is_empty:
@@ -226,9 +229,11 @@ class EngineCore:
         return self.adapters.loader.step_running() if self.adapters is not None else contextlib.nullcontext()
 
     def settle(self) -> None:
-        """Nothing to run: finish the background work that waits for such a moment (adapters' host copies)."""
+        """Nothing to run: finish the background work that waits for such a moment (adapters' host copies,
+        their digests, twins found by the digests)."""
         if self.adapters is not None:
             self.adapters.settle()
+            self.adapters.idle.set()
 
     def _step_failed(self, out, error: Exception) -> list[TokenOutput]:
         """The model step over `out` raised. Run alone, a request is the culprit: it fails (status 500 at the

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
-from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from engine.config import LoraConfig, ModelConfig
+from engine.lora.digest import content_digest, known_digest, shape_key
 from engine.lora.host_adapter import AdapterFiles, describe_adapter
 from engine.lora.host_tier import HostTier
 from engine.lora.loader import AdapterLoader
@@ -41,6 +42,11 @@ from ipc.adapter_names import check_adapter_name
 from kernels.lora_layout import LoraPacker, PackedLayout
 
 log = logging.getLogger("loraplex.lora")
+BUSY_REST_S = 0.05       # a background digest while the engine works: one 1 MiB chunk each (~1% of a core)
+
+
+class _Closed(Exception):
+    """The manager closed while a background digest read its file."""
 
 
 class AdapterState(str, enum.Enum):
@@ -67,6 +73,9 @@ class Adapter:
     copy_stop: threading.Event | None = None   # set: that copy is abandoned (its pages freed)
     error: str | None = None
     load_started: float = 0.0   # time.monotonic() when its current load began
+    digest: str = ""            # its content (engine/lora/digest.py), "" until hashed: names of one content
+    names: set[str] = field(default_factory=set)   # share this Adapter; the names registered for it
+    shape_key: str = ""
 
 
 @dataclass
@@ -97,6 +106,12 @@ class AdapterManager:
         self.packer = packer or LoraPacker()
         self.by_name: dict[str, Adapter] = {}
         self.by_id: dict[int, Adapter] = {}
+        self.by_key: dict[str, list[Adapter]] = {}  # shape key (engine/lora/digest.py) -> registered adapters
+        self.digester = ThreadPoolExecutor(1, thread_name_prefix="loraplex-digest")
+        self._digested: deque[Adapter] = deque()   # digested in the background: twins to merge (engine thread)
+        self.idle = threading.Event()               # set: the engine has nothing to run (EngineCore)
+        self.idle.set()
+        self._closed = False
         self.lru: OrderedDict[int, None] = OrderedDict()   # resident adapters, least recent first
         self.stats = AdapterStats()
         self.on_drop: list = []             # callbacks(adapter_id) when an adapter's weights are gone
@@ -124,15 +139,40 @@ class AdapterManager:
         """Validate an adapter's config and weight shapes (no weights read; any thread may call it)."""
         return describe_adapter(path, self.model, self.cfg.max_lora_rank)
 
-    def register(self, name: str, path: str | Path, pinned: bool = False, files: AdapterFiles | None = None) -> Adapter:
+    def register(self, name: str, path: str | Path, pinned: bool = False, files: AdapterFiles | None = None,
+                 hash_now: bool = True) -> Adapter:
         """Register the adapter at `path` under `name`, described by `files` (describe(path) if not given).
 
-        Registering a name again replaces it: the old adapter is unregistered (its prefix-cache blocks
-        dropped) once its requests finish; new requests get the new weights. A pinned adapter's load
-        starts at once."""
+        Adapters are known by content (engine/lora/digest.py): a name whose content is already registered
+        under another name becomes one more name of that adapter (one set of pages, one host copy, one
+        prefix cache). Registering a name again with the same content changes nothing; with other content
+        the old adapter is unregistered (its prefix-cache blocks dropped) once its requests finish and new
+        requests get the new weights, never the old ones' pages or KV blocks. Only adapters with the same
+        shape key are compared, and with `hash_now` hashed here if their digests are not known yet; without
+        it (the server: hashing 78 MB on the serving path stalls the streams) only known digests are
+        compared, and twins found later by the background digests are merged then (`_merge_digested`).
+        A pinned adapter's load starts at once."""
         check_adapter_name(name)
         path = Path(path)
         files = files or self.describe(path)
+        key = shape_key(path)
+        old = self.by_name.get(name)
+        twins = self._twins(key)
+        digest = ""
+        if twins:
+            digest = content_digest(path) if hash_now else known_digest(path)
+            if hash_now:
+                for t in twins:
+                    t.digest = t.digest or content_digest(t.path)
+            same = next((t for t in twins if digest and t.digest == digest and (t.pinned or not pinned)), None)
+            if same is not None and same is old:
+                return old
+            if same is not None:
+                if old is not None:
+                    self.unregister(name)
+                self.by_name[name] = same
+                same.names.add(name)
+                return same
         layout = self.packer.plan(files.module_shapes(), self.page_elems)
         need = layout.num_pages(self.page_elems)
         if pinned and self._pinned_pages() + need + self._largest_pages(need) > self.pool.num_pages:
@@ -142,20 +182,86 @@ class AdapterManager:
         old = self.by_name.get(name)
         if old is not None:
             self.unregister(name)
-        a = Adapter(name, next(self._ids), path, files, layout, pinned)
+        a = Adapter(name, next(self._ids), path, files, layout, pinned, digest=digest, names={name}, shape_key=key)
         self.by_name[name] = a
         self.by_id[a.adapter_id] = a
+        self.by_key.setdefault(key, []).append(a)
+        if not a.digest:
+            self.digester.submit(self._digest_later, a)
         if pinned:
             self.start_load(a)
         return a
 
     def unregister(self, name: str) -> None:
-        """Refuse new requests for `name` now; free its pages and host copy when its requests are done."""
+        """Refuse new requests for `name` now; once no name is left for its content, free its pages and host
+        copy when its requests are done."""
         a = self.by_name.pop(name, None)
         if a is None:
             raise KeyError(f"adapter {name!r} is not registered")
+        a.names.discard(name)
+        if a.names:
+            if a.name == name:
+                a.name = min(a.names)
+            return
+        self._forget_key(a)
         a.unregistering = True
         self._maybe_drop(a)
+
+    def _forget_key(self, a: Adapter) -> None:
+        same_key = self.by_key.get(a.shape_key, [])
+        if a in same_key:
+            same_key.remove(a)
+            if not same_key:
+                del self.by_key[a.shape_key]
+
+    def _twins(self, key: str) -> list[Adapter]:
+        """The registered adapters (loadable, not going away) with this shape key."""
+        return [a for a in self.by_key.get(key, ()) if not a.unregistering and a.error is None]
+
+    def _digest_later(self, a: Adapter) -> None:
+        """On the digest thread: an adapter's digest (for /v1/models, and to find twins registered under
+        other names), read at full speed only while the engine is idle and no load is pending, else one
+        chunk per BUSY_REST_S. A failure leaves it unknown."""
+        try:
+            if not a.digest:
+                a.digest = content_digest(a.path, pace=self._rest_unless_idle)
+        except _Closed:
+            return
+        except (OSError, ValueError) as e:
+            log.warning("adapter %r: no content digest: %s", a.name, e)
+            return
+        self._digested.append(a)
+
+    def _rest_unless_idle(self) -> None:
+        if self._closed:
+            raise _Closed
+        if not self.idle.is_set() or self.loader.loads_pending():
+            time.sleep(BUSY_REST_S)
+
+    def _merge_digested(self) -> None:
+        """On the engine thread: adapters whose background digest equals a shape twin's become one adapter:
+        the one in the pool (else the older) keeps every name, the other is unregistered (its requests
+        finish on it; its pages, host copy and prefix-cache blocks are freed when they are done)."""
+        while self._digested:
+            a = self._digested.popleft()
+            if a.unregistering or not a.names:
+                continue
+            for t in self._twins(a.shape_key):
+                if t is a or t.digest != a.digest:
+                    continue
+                keep, lose = sorted((a, t), key=lambda x: (x.state not in (AdapterState.RESIDENT,
+                                                                             AdapterState.LOADING), x.adapter_id))
+                if lose.pinned and not keep.pinned:
+                    continue                    # a pinned name stays on an adapter that is kept resident
+                for n in lose.names:
+                    self.by_name[n] = keep
+                keep.names |= lose.names
+                lose.names = set()
+                self._forget_key(lose)
+                lose.unregistering = True
+                self._maybe_drop(lose)
+                log.info("adapters %s: one content (%s), served by one copy", sorted(keep.names), keep.digest)
+                break
 
     def lookup(self, name: str) -> Adapter:
         a = self.by_name.get(name)
@@ -220,6 +326,8 @@ class AdapterManager:
         """Finish the loads whose job is done (on a GPU: enqueue their copy, then wait for its event in a
         later poll); return the adapters whose load failed, with the error. Costs microseconds."""
         failed, self._failed = self._failed, []
+        if self._digested:
+            self._merge_digested()
         for a in list(self.by_id.values()):
             if a.state != AdapterState.LOADING:
                 continue
@@ -259,7 +367,9 @@ class AdapterManager:
     def settle(self) -> None:
         """Take every host copy that is due now, waiting for them: what the engine does when it has nothing to
         run (a copy runs only between forward passes and is taken by a poll, so an engine gone idle right
-        after a load would otherwise leave it undone). Returns at once while a load is in flight."""
+        after a load would otherwise leave it undone). Returns at once while a load is in flight. Twins found
+        by the background digests are merged."""
+        self._merge_digested()
         self._host_copies()
         while self._copying is not None:
             wait_futures([self._copying.copy])
@@ -385,7 +495,8 @@ class AdapterManager:
         registered adapters' weight files)."""
         page_bytes = self.page_elems * self.storage.element_size()
         pool = sum(len(a.pages) for a in self.by_id.values()) * page_bytes
-        return {"pool": pool, "host": self.host.nbytes, "disk": sum(a.files.nbytes for a in self.by_name.values())}
+        disk = sum(a.files.nbytes for a in {id(a): a for a in self.by_name.values()}.values())
+        return {"pool": pool, "host": self.host.nbytes, "disk": disk}
 
     def tiers(self) -> dict[str, int]:
         counts = {"resident": 0, "loading": 0, "host": len(self.host), "registered": len(self.by_name)}
@@ -395,5 +506,7 @@ class AdapterManager:
         return counts
 
     def close(self) -> None:
+        self._closed = True                 # a digest in progress stops at its next chunk
+        self.digester.shutdown(wait=False, cancel_futures=True)
         self.loader.close()
 

@@ -166,6 +166,7 @@ class AdapterLoader:
         self._last = time.perf_counter()
         self._lock = threading.Lock()
         self._loads_waiting = 0                 # load jobs submitted and not started: a copy_out gives way
+        self._loads_pending = 0                 # load jobs submitted and not finished
 
     def load(self, files: AdapterFiles, layout: PackedLayout, pages: list[int],
              packed: torch.Tensor | Int8Pages | None = None) -> Future:
@@ -177,9 +178,17 @@ class AdapterLoader:
         caller may take one later, `copy_out`)."""
         with self._lock:
             self._loads_waiting += 1
+            self._loads_pending += 1
         return self.pool.submit(self._job, files, layout, pages, packed)
 
     def _job(self, files, layout, pages, packed):
+        try:
+            return self._load_job(files, layout, pages, packed)
+        finally:
+            with self._lock:
+                self._loads_pending -= 1
+
+    def _load_job(self, files, layout, pages, packed):
         with self._lock:
             self._loads_waiting -= 1
         self.hold.wait()
@@ -215,6 +224,10 @@ class AdapterLoader:
                     break
             row.copy_(self.storage[page])
         return Int8Pages.quantize(out) if self.host_int8 else out
+
+    def loads_pending(self) -> int:
+        """Load jobs submitted and not finished (work that is never urgent gives way to them)."""
+        return self._loads_pending
 
     def _pace(self) -> None:
         """Before each piece: while a step computes, rest DUTY_REST times as long as the last piece took."""

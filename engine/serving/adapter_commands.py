@@ -41,11 +41,21 @@ class AdapterCommands:
             return
         for e in list(self.journal.entries.values()):
             try:
-                await self.run(self.core.register_adapter, e["name"], e["path"], e["pinned"])
+                await self._register(e["name"], e["path"], e["pinned"])
                 log.info("registered adapter %r again (loaded before the restart)", e["name"])
             except (ValueError, LookupError, OSError) as err:
                 log.warning("adapter %r loaded before the restart cannot be registered again: %s", e["name"], err)
                 self.journal.unloaded(e["name"])
+
+    async def _register(self, name: str, path: str, pinned: bool = False) -> None:
+        """Register on the engine thread, hashing nothing there: digests come in the background, and twins
+        of one content are merged once they are known (AdapterManager.register, hash_now=False)."""
+        await self.run(self.core.register_adapter, name, path, pinned, False)
+
+    def digest(self, name: str) -> str:
+        """The content digest of a registered adapter; "" for a name only listed in --adapter-dir."""
+        a = self.core.adapters.by_name.get(name) if self.core.adapters is not None else None
+        return a.digest if a is not None else ""
 
     def names(self) -> list[str]:
         """The adapters a client may name: those registered and those listed in --adapter-dir."""
@@ -72,7 +82,7 @@ class AdapterCommands:
             if files_signature(a.path) == a.files.signature:
                 raise LookupError(f"adapter {name!r} is not available: its weights failed to load: {a.error}")
             try:                            # changed on disk since: describe it again
-                await self.run(self.core.register_adapter, name, str(a.path), a.pinned)
+                await self._register(name, str(a.path), a.pinned)
             except ValueError as e:
                 raise LookupError(f"adapter {name!r} is not available: {e}") from None
             return
@@ -83,7 +93,7 @@ class AdapterCommands:
             raise LookupError(f"adapter {name!r} is not available: {why}")
         try:
             path = resolve_adapter_dir(self.adapter_dir, name)
-            await self.run(self.core.register_adapter, name, str(path))
+            await self._register(name, str(path))
         except ValueError as e:
             self.catalog.refuse(name, str(e))
             await self.changed()            # /v1/models stops listing it
@@ -115,7 +125,7 @@ class AdapterCommands:
         if not path:
             raise ValueError("lora_path is required (the server has no --adapter-dir)")
         path = check_load_path(path, self.lora_roots)
-        await self.run(self.core.register_adapter, cmd.name, path, cmd.pinned)
+        await self._register(cmd.name, path, cmd.pinned)
         await self.run(self.core.prefetch_adapter, cmd.name)      # its weights load beside the steps
         if self.journal is not None:
             self.journal.loaded(cmd.name, path, cmd.pinned)

@@ -195,9 +195,9 @@ class AsyncEngine:
     def status(self) -> EngineStatus:
         s = self.core.scheduler
         m = self.core.cfg.model
-        return EngineStatus(m.name, m.path, m.max_model_len,
-                            self.adapter_ops.names(), len(s.running), len(s.waiting),
-                            self.incarnation, m.vocab_size)
+        names = self.adapter_ops.names()
+        return EngineStatus(m.name, m.path, m.max_model_len, names, len(s.running), len(s.waiting),
+                            self.incarnation, m.vocab_size, [self.adapter_ops.digest(n) for n in names])
 
     # -- inputs -----------------------------------------------------------------------------------------
     async def apply(self, identity: bytes, msg) -> None:

@@ -74,13 +74,13 @@ class PoolView:
         m = self.core.adapters
         rows: dict[str, AdapterRow] = {}
         if m is not None:
-            for a in m.by_name.values():
+            for name, a in m.by_name.items():       # names of one content share one adapter: its figures
                 host = m.host.get(a.adapter_id)
                 tier = {AdapterState.RESIDENT: "pool", AdapterState.LOADING: "loading"}.get(a.state)
                 if tier is None:
                     tier = "failed" if a.error else "host" if host is not None else "disk"
-                rows[a.name] = AdapterRow(
-                    name=a.name, tier=tier, pool_bytes=len(a.pages) * page_bytes,
+                rows[name] = AdapterRow(
+                    name=name, tier=tier, digest=a.digest, pool_bytes=len(a.pages) * page_bytes,
                     host_bytes=0 if host is None else host.nbytes, file_bytes=a.files.nbytes, pinned=a.pinned,
                     running=a.active, queued=a.queued, error=a.error)
         for name in self.listed():

@@ -293,6 +293,30 @@ def test_load_use_unload_adapter_over_http(server, client, served_adapters):
         assert r.status_code == 400 and "--lora-roots" in r.json()["error"]["message"], r.text
 
 
+def test_models_show_each_adapters_content_digest(server, client, served_adapters):
+    """A second name for a content already served (r8-all) shares its digest; a name listed in --adapter-dir
+    and never read has none yet."""
+    _, src = served_adapters
+    client.completions.create(model="r8-all", prompt="Hi", max_tokens=1)
+    r = requests.post(server.url + "/v1/load_lora_adapter", headers=AUTH,
+                      json={"lora_name": "r8-all-twin", "lora_path": str(src / "r8-all")})
+    assert r.status_code == 200, r.text
+    def models():
+        return requests.get(server.url + "/v1/models", headers=AUTH, timeout=30).json()["data"]
+    try:       # digests are computed in the background (at full speed while the engine is idle)
+        assert wait_until(lambda: all(m.get("digest") for m in models() if m["id"] in ("r8-all", "r8-all-twin")),
+                          timeout=30)
+        raw = models()
+        digest = {m["id"]: m.get("digest") for m in raw}
+        assert digest["r8-all"].startswith("sha256:") and digest["r8-all-twin"] == digest["r8-all"]
+        assert digest[BASE] is None
+        listed = [m["id"] for m in raw if m["parent"] and not m.get("digest")]
+        assert all(name in ("r4-qv", "r16-attn", "late") for name in listed), listed
+    finally:
+        requests.post(server.url + "/v1/unload_lora_adapter", headers=AUTH, json={"lora_name": "r8-all-twin"})
+    assert client.completions.create(model="r8-all", prompt="Hi", max_tokens=1).choices[0].text is not None
+
+
 def test_adapter_on_demand_from_adapter_dir(server, client, served_adapters):
     d, src = served_adapters
     shutil.copytree(src / "r64-ko", d / "late")

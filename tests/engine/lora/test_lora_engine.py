@@ -1,5 +1,6 @@
 """The LoRA API of the offline engine: registry at run time, cap, prefix cache, CLI."""
 import json
+import shutil
 import subprocess
 import sys
 
@@ -57,9 +58,19 @@ def test_reregister_with_new_weights_drops_prefix_blocks(llm, adapter_dir):
     llm.register_adapter("r4-qv", str(d / "r4-qv"))
 
 
-def test_unregister_frees_pages_and_refuses_new_requests(llm, adapter_dir):
+def own_content(src, dst) -> str:
+    """A copy of adapter `src` with a content of its own (another lora_alpha): a plain copy would be one
+    more name of `src` (adapters are known by content), sharing its pages and its loads."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "adapter_config.json").read_text())
+    cfg["lora_alpha"] = cfg.get("lora_alpha", 8) + 1
+    (dst / "adapter_config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+def test_unregister_frees_pages_and_refuses_new_requests(llm, adapter_dir, tmp_path):
     d, _ = adapter_dir
-    llm.register_adapter("temp", str(d / "r16-attn"))
+    llm.register_adapter("temp", own_content(d / "r16-attn", tmp_path / "temp"))
     llm.generate("Hi", GREEDY, adapter="temp")
     pages_before = llm.engine.pool.usage()["adapter"]
     llm.unregister_adapter("temp")
@@ -79,7 +90,7 @@ def test_cli_generate_with_adapter_dir(adapter_dir, tokenizer):
     assert json.loads(r.stdout)["token_ids"] == peft_greedy(oracle, "r8-all", ids, 6)
 
 
-def test_a_loading_adapter_holds_up_nobody(llm, adapter_dir, monkeypatch):
+def test_a_loading_adapter_holds_up_nobody(llm, adapter_dir, monkeypatch, tmp_path):
     """While one adapter's file is slow to read, base and resident-adapter requests keep decoding."""
     import time as _time
 
@@ -94,7 +105,7 @@ def test_a_loading_adapter_holds_up_nobody(llm, adapter_dir, monkeypatch):
         return slow
     for reader in ("read_packed", "pack_in_place"):      # into a staging buffer, or into the pages
         monkeypatch.setattr(loader, reader, slowed(getattr(loader, reader)))
-    llm.register_adapter("slow", str(d / "r32-mlp"))
+    llm.register_adapter("slow", own_content(d / "r32-mlp", tmp_path / "slow"))
     core = llm.engine
     core.adapters.host.clear()         # not in the host tier: the load must read the (slow) disk
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
@@ -114,10 +125,8 @@ def test_a_loading_adapter_holds_up_nobody(llm, adapter_dir, monkeypatch):
 
 
 def test_adapter_whose_files_broke_fails_its_requests_with_an_error(llm, adapter_dir, tmp_path):
-    import shutil
     d, _ = adapter_dir
-    shutil.copytree(d / "r4-qv", tmp_path / "fragile")
-    llm.register_adapter("fragile", str(tmp_path / "fragile"))
+    llm.register_adapter("fragile", own_content(d / "r4-qv", tmp_path / "fragile"))
     llm.engine.adapters.host.clear()                       # force a read from disk at load time
     (tmp_path / "fragile" / "adapter_model.safetensors").write_bytes(b"not safetensors")
     broken, fine = llm.generate(["Hi", "Hi"], GREEDY, adapter=["fragile", None])
