@@ -12,6 +12,7 @@ import torch
 
 from engine import envs
 from engine.config import EngineConfig
+from engine.model.expert_lora import ExpertLora
 from engine.model.llama import LlamaModel
 from engine.model.weights import load_weights
 from engine.sampler import History, Sampler, chosen_and_top, logprobs
@@ -61,6 +62,7 @@ class ModelRunner:
         else:
             self.storage = torch.zeros(num_pages, page_elems(cfg), dtype=m.dtype, device=self.device)
         self.sampler = Sampler(cfg.seed, self.backend.argmax)
+        self.placement = None       # adapter id -> (its PackedLayout, its pages): set by the engine (LoRA on)
         self.kv_caches = self.backend.kv_caches(self.storage, m.num_layers, self.block_size, m.num_kv_heads,
                                                 m.head_dim)
 
@@ -109,20 +111,30 @@ class ModelRunner:
         num_decode = sum(1 for n in out.num_new_tokens if n == 1)
         return self.backend.lora_step(adapters, token_slots, num_decode)
 
+    def expert_lora(self, out: SchedulerOutput) -> ExpertLora | None:
+        """The step's LoRA on a mixture-of-experts model's experts (engine/model/expert_lora.py), from the
+        adapters' places in the pool (`placement`, set by the engine: adapter id -> layout, pages)."""
+        moe = self.cfg.model.moe
+        if moe is None or self.placement is None:
+            return None
+        ids = [req.adapter_id or 0 for req, n in zip(out.requests, out.num_new_tokens) for _ in range(n)]
+        return ExpertLora.build(self.storage, moe.num_experts, ids, self.placement)
+
     def execute(self, out: SchedulerOutput, adapters: AdapterSlots | None = None) -> ModelOutput:
         """Run one step over the scheduler's output (its rows reordered in place, `order`): the tokens sampled
         for rows that finished their chunk, and their logprobs. adapters: the backend's AdapterSlots."""
         self.order(out, adapters)
         lora = self.lora_step(out, adapters)
+        experts = self.expert_lora(out)
         inp = self.prepare(out)
         if inp.prompt_rows:
             logits, hidden = self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches,
                                                 inp.logits_indices, lora,
-                                                torch.tensor(inp.prompt_rows, device=self.device))
+                                                torch.tensor(inp.prompt_rows, device=self.device), experts)
             self._prompt_logprobs(hidden, inp.prompt_targets)
         else:
             logits = self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches,
-                                        inp.logits_indices, lora)
+                                        inp.logits_indices, lora, experts=experts)
         if not inp.sample_rows:
             return ModelOutput()
         reqs = [out.requests[r] for r in inp.sample_rows]

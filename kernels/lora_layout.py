@@ -19,6 +19,21 @@ import torch
 # (layer, module) -> (rank, in, out, scale): what a packer plans from (the weights are not needed)
 Shapes = dict[tuple[int, str], tuple[int, int, int, float]]
 
+# A mixture-of-experts layer's expert weights as PEFT adapts them (`target_parameters`): one LoRA over the
+# stack of E experts, A [E * r, in] (expert e: rows e*r .. e*r + r) and B [out, E * r] (expert e: columns
+# k * E + e), its "rank" E * r; always row-major in the flat space, read by engine/model/expert_lora.py
+# (the backends' kernels never see them).
+EXPERT_MODULES = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def is_expert(module: str) -> bool:
+    return module in EXPERT_MODULES
+
+
+def kernel_modules(layout: "PackedLayout") -> dict[tuple[int, str], "ModuleSlice"]:
+    """The layout's projections the backends' LoRA kernels compute (all but the experts')."""
+    return {k: s for k, s in layout.modules.items() if not is_expert(k[1])}
+
 
 @dataclass(frozen=True)
 class ModuleSlice:

@@ -75,6 +75,7 @@ class EngineCore:
             self.slots = self.runner.backend.lora_slots(cfg.lora.max_loras, cfg.lora.max_lora_rank, cfg.model,
                                                         self.runner.storage)
             self.adapters.on_drop.append(self._adapter_dropped)
+            self.runner.placement = self.adapters.placement
             self.kv.reclaim = self.adapters.evict_idle
             admission = AdapterAdmission(cfg.lora, self.adapters, self.slots)
         self.scheduler = Scheduler(cfg.scheduler, self.kv, admission)

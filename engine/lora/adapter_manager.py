@@ -263,6 +263,11 @@ class AdapterManager:
                 log.info("adapters %s: one content (%s), served by one copy", sorted(keep.names), keep.digest)
                 break
 
+    def placement(self, adapter_id: int) -> tuple[PackedLayout, list[int]]:
+        """A resident adapter's layout and pages (what a step reads it from)."""
+        a = self.by_id[adapter_id]
+        return a.layout, a.pages
+
     def lookup(self, name: str) -> Adapter:
         a = self.by_name.get(name)
         if a is None:

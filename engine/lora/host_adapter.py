@@ -26,9 +26,14 @@ from safetensors import safe_open
 
 from engine.config import ModelConfig
 from engine.lora.peft_config import FUSED, LoraSpec, model_modules, module_path, read_spec
+from kernels.lora_layout import is_expert
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)"
                   r"\.lora_([AB])(?:\.\w+)?\.weight$")
+# PEFT's LoRA of a mixture-of-experts layer's stacked expert weights (target_parameters): one wrapper per
+# parameter, nested on the experts module, so the keys name the nesting depth, not the parameter
+_EXPERT_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.mlp\.experts\.((?:base_layer\.)*)"
+                         r"lora_([AB])(?:\.\w+)?\.weight$")
 # safetensors dtype names that are floating point (what torch's is_floating_point accepts)
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -150,7 +155,12 @@ def describe_adapter(adapter_dir: str | Path, cfg: ModelConfig, max_rank: int,
     f = weights_file(d)
     served = model_modules(cfg.fused_projections, cfg.moe is not None)
     parts: dict[tuple[int, str], dict[str, tuple[str, dict]]] = {}
+    nested: dict[tuple[int, int], dict[str, tuple[str, dict]]] = {}     # (layer, depth) -> an expert LoRA
     for key, info in read_header(f).items():
+        e = _EXPERT_KEY.match(key)
+        if e:
+            nested.setdefault((int(e.group(1)), e.group(2).count(".")), {})[e.group(3)] = (key, info)
+            continue
         m = _KEY.match(key)
         if not m:
             raise ValueError(f"adapter: weight {key!r} is not supported (only LoRA A/B of "
@@ -160,6 +170,7 @@ def describe_adapter(adapter_dir: str | Path, cfg: ModelConfig, max_rank: int,
             raise ValueError(f"adapter: weight {key!r} does not fit the base model "
                              f"({cfg.num_layers} layers, modules {', '.join(served)})")
         parts.setdefault((layer, module), {})[ab] = (key, info)
+    parts.update(_expert_parts(nested, spec, cfg))
     if not parts:
         raise ValueError(f"adapter: {f} holds no LoRA weights")
     missing = sorted(set(spec.expected_modules(cfg.num_layers, served)) - set(parts))
@@ -170,14 +181,24 @@ def describe_adapter(adapter_dir: str | Path, cfg: ModelConfig, max_rank: int,
     keys, shapes, where, rows = {}, {}, {}, {}
     dims = {m: module_shape(cfg, m) for m in served}
     uniform = None if spec.rank_pattern or spec.alpha_pattern else (spec.r, spec.scale_for(""))
+    if cfg.moe is not None:
+        E, inter = cfg.moe.num_experts, cfg.moe.intermediate
+        dims |= {"experts.gate_up_proj": (cfg.hidden_size, 2 * inter), "experts.down_proj": (inter, cfg.hidden_size)}
     for (layer, module), ab in sorted(parts.items()):
-        r, n_in, _, scale = _check_module(dims[module], spec, uniform, layer, module, ab, max_rank)
+        if is_expert(module):                   # rank E * r: every expert's r rows (kernels/lora_layout.py)
+            if spec.r > max_rank:
+                raise ValueError(f"adapter: rank {spec.r} of {module_path(layer, module)} is above "
+                                 f"max_lora_rank={max_rank}")
+            r, n_in, _, scale = _check_module(dims[module], spec, (E * spec.r, spec.scale_for("")), layer, module,
+                                              ab, E * max_rank)
+        else:
+            r, n_in, _, scale = _check_module(dims[module], spec, uniform, layer, module, ab, max_rank)
         for key, info in ab.values():
             _check_extent(f, key, info, signature[2])
         a_at, b_at = ((ab[x][1]["dtype"], ab[x][1]["start"], ab[x][1]["end"]) for x in "AB")
         first = 0
         for piece in FUSED.get(module, (module,)):      # a fused module: its projections, in row order
-            n = module_shape(cfg, piece)[1]
+            n = dims[piece][1] if is_expert(piece) else module_shape(cfg, piece)[1]
             row_bytes = r * _ITEMSIZE[b_at[0]]
             keys[(layer, piece)] = (ab["A"][0], ab["B"][0])
             shapes[(layer, piece)] = (r, n_in, n, scale)
@@ -186,6 +207,36 @@ def describe_adapter(adapter_dir: str | Path, cfg: ModelConfig, max_rank: int,
                 rows[(layer, piece)] = (first, first + n)
             first += n
     return AdapterFiles(d, spec, f, keys, where, shapes, signature, rows)
+
+
+def _expert_parts(nested: dict, spec: LoraSpec, cfg: ModelConfig) -> dict[tuple[int, str], dict]:
+    """(layer, depth) -> its A and B  =>  (layer, expert module) -> its A and B. Which parameter a wrapper
+    adapts is told by its shapes: gate_up_proj's A is [E r, hidden] and B [2 inter, E r], down_proj's A
+    [E r, inter] and B [hidden, E r] (never both: that would need inter = 0)."""
+    if not nested and not spec.target_parameters:
+        return {}
+    if cfg.moe is None:
+        raise ValueError("adapter: it adapts experts (target_parameters) but the base model has none")
+    H, inter = cfg.hidden_size, cfg.moe.intermediate
+    by_dims = {(H, 2 * inter): "experts.gate_up_proj", (inter, H): "experts.down_proj"}
+    out: dict[tuple[int, str], dict] = {}
+    for (layer, _), ab in sorted(nested.items()):
+        if len(ab) != 2:
+            raise ValueError(f"adapter: layer {layer}'s experts have lora_{''.join(ab)} but not both A and B")
+        a, b = tuple(ab["A"][1].get("shape", ())), tuple(ab["B"][1].get("shape", ()))
+        module = by_dims.get((a[-1] if a else -1, b[0] if b else -1))
+        if module is None or layer >= cfg.num_layers or not cfg.moe.sparse[layer] or (layer, module) in out:
+            raise ValueError(f"adapter: the expert LoRA {ab['A'][0]!r} (A {a}, B {b}) does not fit the base model "
+                             f"(experts on layers {[i for i, x in enumerate(cfg.moe.sparse) if x]}, gate_up_proj "
+                             f"[{2 * inter}, {H}], down_proj [{H}, {inter}] per expert)")
+        out[(layer, module)] = ab
+    layers = spec.layers if spec.layers is not None else range(cfg.num_layers)
+    missing = [(i, p) for p in spec.target_parameters for i in layers if cfg.moe.sparse[i] and (i, p) not in out]
+    if missing:
+        layer, module = missing[0]
+        raise ValueError(f"adapter: target_parameters names {module} but {module_path(layer, module)} has no "
+                         f"weights ({len(missing)} such missing)")
+    return out
 
 
 def _check_module(dims, spec, uniform, layer, module, ab, max_rank) -> tuple[int, int, int, float]:

@@ -38,7 +38,7 @@ import torch
 from engine.lora.host_adapter import AdapterFiles, check_finite, files_signature, read_weights
 from engine.lora.int8_pages import Int8Pages
 from engine.lora.peft_config import module_path
-from kernels.lora_layout import LoraPacker, PackedLayout
+from kernels.lora_layout import LoraPacker, PackedLayout, is_expert
 
 log = logging.getLogger("loraplex.lora")
 DUTY_REST = 6.0     # while a step computes: rest 6x each piece's time (about 14% of one core)
@@ -81,7 +81,8 @@ def read_packed(files: AdapterFiles, layout: PackedLayout, page_elems: int, dtyp
 def packs_in_place(files: AdapterFiles, dtype: torch.dtype, packer: LoraPacker) -> bool:
     """Whether `packer` can write this adapter's file straight into its pages of the pool (one pass)."""
     dtypes = {d for pair in files.where.values() for d, _, _ in pair}
-    return hasattr(packer, "pack_file") and packer.can_pack_file(dtypes, dtype)
+    experts = any(is_expert(module) for _, module in files.where)        # placed by `place`, row-major
+    return hasattr(packer, "pack_file") and not experts and packer.can_pack_file(dtypes, dtype)
 
 
 def pack_in_place(files: AdapterFiles, layout: PackedLayout, storage: torch.Tensor, pages: list[int],

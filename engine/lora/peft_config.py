@@ -16,7 +16,10 @@ MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 FUSED_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 _PREFIX = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "qkv_proj": "self_attn", "gate_up_proj": "mlp"}
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp", "qkv_proj": "self_attn", "gate_up_proj": "mlp",
+           "experts.gate_up_proj": "mlp", "experts.down_proj": "mlp"}
+# what `target_parameters` may name: a mixture-of-experts layer's stacked expert weights (transformers' names)
+EXPERT_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
 ALL_LINEAR = ("all-linear",)
 
 
@@ -45,6 +48,7 @@ class LoraSpec:
     base_model: str | None
     target_modules: tuple[str, ...] | None
     layers: tuple[int, ...] | None
+    target_parameters: tuple[str, ...] = ()     # EXPERT_PARAMETERS it adapts (a mixture-of-experts model's)
 
     def expected_modules(self, num_layers: int, modules: tuple[str, ...] = MODULES) -> list[tuple[int, str]]:
         """(layer, module) pairs the config promises weights for (empty when it names them by regex);
@@ -90,9 +94,10 @@ def read_spec(adapter_dir: str | Path) -> LoraSpec:
         raise ValueError(f"adapter: modules_to_save {cfg['modules_to_save']} is not supported")
     if cfg.get("bias", "none") != "none":
         raise ValueError(f"adapter: bias {cfg['bias']!r} is not supported (only 'none')")
-    for key in ("layer_replication", "target_parameters", "trainable_token_indices"):
+    for key in ("layer_replication", "trainable_token_indices"):
         if cfg.get(key):
             raise ValueError(f"adapter: {key} is not supported")
+    params = _target_parameters(cfg)
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
         known = (*MODULES, *FUSED)
@@ -112,4 +117,23 @@ def read_spec(adapter_dir: str | Path) -> LoraSpec:
     return LoraSpec(r=r, lora_alpha=float(cfg.get("lora_alpha", r)), use_rslora=bool(cfg.get("use_rslora")),
                     rank_pattern=dict(cfg.get("rank_pattern") or {}),
                     alpha_pattern={k: float(v) for k, v in (cfg.get("alpha_pattern") or {}).items()},
-                    base_model=cfg.get("base_model_name_or_path"), target_modules=targets, layers=layers)
+                    base_model=cfg.get("base_model_name_or_path"), target_modules=targets, layers=layers,
+                    target_parameters=params)
+
+
+def _target_parameters(cfg: dict) -> tuple[str, ...]:
+    """PEFT's target_parameters: only the experts' stacked weights of a mixture-of-experts layer, each with
+    the adapter's own r and lora_alpha (no rank or alpha pattern reaches them)."""
+    names = cfg.get("target_parameters") or []
+    if not isinstance(names, list):
+        raise ValueError(f"adapter: target_parameters must be a list, got {names!r}")
+    out = []
+    for name in names:
+        found = next((p for p in EXPERT_PARAMETERS if name == p or str(name).endswith("." + p)), None)
+        if found is None:
+            raise ValueError(f"adapter: target_parameters {name!r} is not supported (only a mixture-of-experts "
+                             f"layer's {', '.join(EXPERT_PARAMETERS)})")
+        out.append(found)
+    if out and (cfg.get("rank_pattern") or cfg.get("alpha_pattern")):
+        raise ValueError("adapter: rank_pattern / alpha_pattern together with target_parameters are not supported")
+    return tuple(sorted(set(out)))

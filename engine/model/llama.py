@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
+from engine.model.expert_lora import ExpertLora
 from engine.model.moe import moe_mlp
 from engine.model.rope import Rope
 from engine.model.weights import LlamaWeights
@@ -59,21 +60,23 @@ class LlamaModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
-                lora: LoraStep | None = None, hidden_indices: torch.Tensor | None = None):
+                lora: LoraStep | None = None, hidden_indices: torch.Tensor | None = None,
+                experts: ExpertLora | None = None):
         """input_ids, positions: [T]; logits_indices: [S] rows to project -> logits [S, vocab] in the model
         dtype (the sampler converts what it needs to fp32: a bf16 greedy step never does).
         With hidden_indices [P]: -> (logits, those rows' final normed hidden states [P, H]) for the caller
-        to project in pieces (prompt logprobs, see logits_of)."""
+        to project in pieces (prompt logprobs, see logits_of). experts: the step's LoRA on the experts of a
+        mixture-of-experts model (engine/model/expert_lora.py), if any adapter of the step has one."""
         cfg, ops = self.cfg, self.backend
         x = F.embedding(input_ids, self.w.embed)                     # [T, H], the residual stream
         if cfg.embed_scale:                                          # Gemma: sqrt(H), rounded to the dtype
             x *= torch.tensor(cfg.hidden_size ** 0.5, dtype=x.dtype)
         tables, local = self.tables(positions)                       # [T, head_dim] each
         decoder = self.decoder(kv_caches)
-        if decoder is not None and decoder.accepts(meta, lora):
+        if decoder is not None and experts is None and decoder.accepts(meta, lora):
             x += decoder.run(x, *tables, meta, lora, local)   # _layers' loop in one call: the same bits
         else:
-            self._layers(x, tables, local, meta, kv_caches, lora)
+            self._layers(x, tables, local, meta, kv_caches, lora, experts)
         if hidden_indices is not None:
             hidden = ops.rms_norm(x[hidden_indices], self.w.norm, cfg.rms_norm_eps)
         x = ops.rms_norm(x[logits_indices], self.w.norm, cfg.rms_norm_eps)
@@ -86,7 +89,7 @@ class LlamaModel:
         return logits if not cap else torch.tanh(logits / cap) * cap
 
     def _layers(self, x: torch.Tensor, tables: tuple, local: tuple | None, meta: AttentionMetadata, kv_caches,
-                lora: LoraStep | None) -> None:
+                lora: LoraStep | None, experts: ExpertLora | None = None) -> None:
         """The decoder layers, op by op: x [T, H] (the embeddings) becomes the final residual stream.
         tables: (cos, sin) [T, head_dim]; local: the sliding layers' own, or None."""
         cfg, ops, layers = self.cfg, self.backend, self.w.layers
@@ -110,8 +113,8 @@ class LlamaModel:
             if layer.attn_out_norm is not None:                      # sandwich norms (Gemma)
                 o = ops.rms_norm(o, layer.attn_out_norm, cfg.rms_norm_eps)
             h = ops.add_rms_norm(x, o, layer.post_norm, cfg.rms_norm_eps)         # x += o
-            if layer.moe is not None:                                # the experts (adapters: attention only)
-                down = moe_mlp(ops, h, layer.moe, cfg.moe)
+            if layer.moe is not None:                                # the experts, with their LoRA if any
+                down = moe_mlp(ops, h, layer.moe, cfg.moe, i, experts)
             else:
                 gate_up = project(layer.gate_up, i, "gate_up", h, lora)  # [T, 2I]
                 down = project(layer.down, i, "down", act(gate_up), lora)   # act: [T, I]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.model.expert_lora import ExpertLora
 from engine.model.family import MoeSpec
 from engine.model.weights import MoeWeights
 from kernels.backend import Backend
@@ -24,12 +25,22 @@ def route(logits: torch.Tensor, spec: MoeSpec) -> tuple[torch.Tensor, torch.Tens
     return (top.to(logits.dtype) if spec.weights_in_dtype else top), experts
 
 
-def moe_mlp(ops: Backend, h: torch.Tensor, w: MoeWeights, spec: MoeSpec) -> torch.Tensor:
+def moe_mlp(ops: Backend, h: torch.Tensor, w: MoeWeights, spec: MoeSpec, layer: int = 0,
+            lora: ExpertLora | None = None) -> torch.Tensor:
+    """lora: the step's adapters on the experts (engine/model/expert_lora.py), added to each expert's
+    gate_up and down outputs."""
     weights, experts = route(w.router(h), spec)
     out = torch.zeros_like(h)
     for e in torch.unique(experts).tolist():                   # ascending
         rows, slot = torch.where(experts == e)
         gate_up, down = w.experts[e]
-        y = down(ops.silu_mul(gate_up(h[rows])))               # [n, H]
+        x = h[rows]
+        gu = gate_up(x)                                         # [n, 2 inter]: gate, then up
+        if lora is not None:
+            gu = lora.add(layer, "experts.gate_up_proj", e, rows, x, gu)
+        act = ops.silu_mul(gu)
+        y = down(act)                                           # [n, H]
+        if lora is not None:
+            y = lora.add(layer, "experts.down_proj", e, rows, act, y)
         out.index_add_(0, rows, (y * weights[rows, slot, None]).to(out.dtype))
     return out

@@ -17,7 +17,7 @@ import torch
 
 from kernels.cpu import lora as c_lora
 from kernels.cpu.build import load_functions
-from kernels.lora_layout import GroupBlock, ModuleSlice, PackedLayout, Shapes
+from kernels.lora_layout import GroupBlock, ModuleSlice, PackedLayout, Shapes, is_expert
 
 # fused group -> its projections in output order (decoder.c's and the GEMMs' order)
 GROUP_MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
@@ -67,6 +67,21 @@ class GroupPacker:
         return layout
 
     def _plan(self, shapes: Shapes, page_elems: int) -> PackedLayout:
+        """The blocks; then the experts' LoRA (kernels/lora_layout.py), row-major after them."""
+        experts = {k: v for k, v in shapes.items() if is_expert(k[1])}
+        layout = self._plan_blocks({k: v for k, v in shapes.items() if k not in experts}, page_elems)
+        if not experts:
+            return layout
+        modules, off = dict(layout.modules), -(-layout.num_elems // ALIGN) * ALIGN
+        for key in sorted(experts):
+            r, n_in, n_out, scale = experts[key]
+            modules[key] = ModuleSlice(off, off + r * n_in, r, n_in, n_out, scale)
+            off += r * (n_in + n_out)
+        return PackedLayout(modules, off, layout.blocks, layout.gaps)
+
+    def _plan_blocks(self, shapes: Shapes, page_elems: int) -> PackedLayout:
+        if not shapes:
+            return PackedLayout({}, 0)
         R = max(r for r, *_ in shapes.values())
         groups: dict[tuple[int, str], dict[int, tuple[int, int, int]]] = {}   # (layer, group) -> {index: (r, in, out)}
         for (layer, module), (r, n_in, n_out, _) in shapes.items():
@@ -116,8 +131,15 @@ class GroupPacker:
 
     def place(self, layout: PackedLayout, key: tuple[int, str], a: torch.Tensor, b: torch.Tensor,
               flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """a [r, in], b [out, r] in any float dtype -> their rows of the module's group block (flat zeroed)."""
+        """a [r, in], b [out, r] in any float dtype -> their rows of the module's group block (flat zeroed);
+        an expert LoRA's A and B row-major where the layout says."""
         layer, module = key
+        if is_expert(module):
+            s = layout.modules[key]
+            a, b = a.to(flat.dtype), b.to(flat.dtype)
+            flat[s.a_offset:s.a_offset + a.numel()].copy_(a.flatten())
+            flat[s.b_offset:s.b_offset + b.numel()].copy_(b.flatten())
+            return [("lora_A", a), ("lora_B", b)]
         g, i = GROUP_OF[module]
         blk = layout.blocks[(layer, g)]
         G, R = len(GROUP_MODULES[g]), blk.rank

@@ -18,7 +18,7 @@ import torch
 from kernels.backend import InPlaceSlots
 from kernels.cpu import lora as c_lora
 from kernels.cpu.lora_pack import GROUP_MODULES
-from kernels.lora_layout import PackedLayout
+from kernels.lora_layout import PackedLayout, kernel_modules
 
 GROUPS = tuple(GROUP_MODULES)          # qkv, o, gate_up, down: the column of a group in the address tables
 
@@ -48,7 +48,7 @@ class CpuPagedAdapters(InPlaceSlots):
     def assign(self, adapter_id: int, layout: PackedLayout, pages: Sequence[int], busy: set[int]) -> int:
         if adapter_id in self.slot_of:
             return self.slot_of[adapter_id]
-        if not layout.blocks:
+        if not layout.blocks and kernel_modules(layout):
             raise ValueError("the CPU backend reads adapters packed by its own packer (kernels/cpu/lora_pack.py)")
         slot = self.new_slot()
         zero = self.zeros.data_ptr()
@@ -62,8 +62,8 @@ class CpuPagedAdapters(InPlaceSlots):
         self.entries[slot] = torch.tensor(table, dtype=torch.int64)
         self.placed[slot] = (layout, list(pages))
         self.slot_of[adapter_id] = slot
-        self.rank_of[adapter_id] = max(b.rank for b in layout.blocks.values())
-        self.modules_of[adapter_id] = frozenset(module for _, module in layout.modules)
+        self.rank_of[adapter_id] = max((b.rank for b in layout.blocks.values()), default=0)
+        self.modules_of[adapter_id] = frozenset(module for _, module in kernel_modules(layout))
         return slot
 
     def _address(self, offset: int, pages: Sequence[int]) -> int:

@@ -20,7 +20,7 @@ from collections import OrderedDict
 
 import torch
 
-from kernels.lora_layout import PackedLayout, unpack_module
+from kernels.lora_layout import PackedLayout, kernel_modules, unpack_module
 from kernels.memory import huge_zeros
 
 # module -> (A buffer, index inside it, B buffer)
@@ -106,14 +106,15 @@ class LoraSlots:
         # read the adapter through its page table: its pages gathered in order, flattened
         index = torch.tensor(list(pages), dtype=torch.long, device=self.storage.device)
         flat = self.storage.index_select(0, index).flatten()
-        for (layer, module), s in layout.modules.items():
+        mods = kernel_modules(layout)
+        for (layer, module), s in mods.items():
             a, b = unpack_module(flat, s)
             a_name, idx, b_name = SLOT_OF_MODULE[module]
             self.buf[a_name][layer, slot, : s.rank, idx].copy_(a)
             self._store_b(b_name, layer, slot, (b * s.scale).T)                  # [r, out]
         self.slot_of[adapter_id] = slot
-        self.rank_of[adapter_id] = max(s.rank for s in layout.modules.values())
-        self.modules_of[adapter_id] = frozenset(module for _, module in layout.modules)
+        self.rank_of[adapter_id] = max((s.rank for s in mods.values()), default=0)
+        self.modules_of[adapter_id] = frozenset(module for _, module in mods)
         self.lru[adapter_id] = None
         return slot
 

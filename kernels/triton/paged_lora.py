@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.backend import InPlaceSlots
-from kernels.lora_layout import PackedLayout
+from kernels.lora_layout import PackedLayout, kernel_modules
 from kernels.transfer import to_device
 from kernels.triton import lora_ops
 
@@ -57,7 +57,7 @@ class PagedAdapters(InPlaceSlots):
         shape = (self.num_layers, len(MODULES))
         a_off, b_off, rank = (torch.zeros(shape, dtype=torch.int64) for _ in range(3))
         scale = torch.zeros(shape, dtype=torch.float32)
-        for (layer, module), s in layout.modules.items():
+        for (layer, module), s in kernel_modules(layout).items():
             m = MODULES.index(module)
             a_off[layer, m], b_off[layer, m], rank[layer, m], scale[layer, m] = s.a_offset, s.b_offset, s.rank, s.scale
         dev = self.storage.device
