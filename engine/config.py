@@ -146,7 +146,8 @@ class LoraConfig:
     backend's slots grow). max_lora_rank: the largest rank
     accepted; max_cpu_loras / max_cpu_lora_bytes: the host-memory tier between disk and the page pool;
     loader_threads: the threads that load adapters beside the step (engine/lora/loader.py); host_tier_dtype:
-    "auto" (the model's dtype) or "int8" (engine/lora/int8_pages.py: half the bytes of bf16, lossy)."""
+    "auto" (the model's dtype) or "int8" (engine/lora/int8_pages.py: half the bytes of bf16, lossy);
+    max_adapters_per_request: adapters one request may compose (engine/lora/compose.py)."""
     enable_lora: bool = True
     max_loras: int | None = None
     max_lora_rank: int = 64
@@ -155,6 +156,7 @@ class LoraConfig:
     starvation_steps: int = 64
     loader_threads: int = 1
     host_tier_dtype: str = "auto"
+    max_adapters_per_request: int = 4
 
 
 @dataclass(frozen=True)
@@ -191,6 +193,7 @@ class EngineConfig:
         max_loras = 1 if lo.max_loras is None else lo.max_loras
         for name, value in (("max_loras", max_loras), ("max_lora_rank", lo.max_lora_rank),
                             ("max_cpu_loras", lo.max_cpu_loras), ("loader_threads", lo.loader_threads),
+                            ("max_adapters_per_request", lo.max_adapters_per_request),
                             ("max_num_seqs", s.max_num_seqs),
                             ("max_num_batched_tokens", s.max_num_batched_tokens),
                             ("block_size", c.block_size), ("kv_cache_memory_bytes", c.kv_cache_memory_bytes)):

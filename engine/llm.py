@@ -54,7 +54,9 @@ class LLM:
                  params: SamplingParams | Sequence[SamplingParams] | None = None,
                  adapter: str | None | Sequence[str | None] = None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for every prompt together (continuous batching); outputs in prompt order.
-        `adapter`: one adapter name (or None, the base model) for all prompts, or a list with one per prompt."""
+        `adapter`: one adapter name (or None, the base model) for all prompts, or a list with one per prompt;
+        an adapter may also be a composition, a list of (name, weight) pairs: W x + sum_i weight_i * (alpha_i
+        / r_i) * B_i A_i x (at most max_adapters_per_request of them; engine/lora/compose.py)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         token_lists = [self._tokens(p) for p in prompts]
@@ -69,7 +71,8 @@ class LLM:
 
     @staticmethod
     def _per_prompt(value, n: int, name: str) -> list:
-        values = list(value) if isinstance(value, (list, tuple)) else [value] * n
+        one = not isinstance(value, (list, tuple)) or (name == "adapter" and _is_composition(value))
+        values = [value] * n if one else list(value)
         if len(values) != n:
             raise ValueError(f"{name}: {len(values)} given for {n} prompts")
         return values
@@ -81,9 +84,12 @@ class LLM:
         reqs = []
         for ids, text, p, a in zip(token_lists, texts, plist, alist):
             rid = f"offline-{next(self._ids)}"
-            reqs.append(GenerateRequest(rid, ids, p, adapter=a))
+            if isinstance(a, (list, tuple)):         # a composition: (name, weight) pairs
+                reqs.append(GenerateRequest(rid, ids, p, adapters=[(str(n), float(w)) for n, w in a]))
+            else:
+                reqs.append(GenerateRequest(rid, ids, p, adapter=a))
             self.engine.validate(reqs[-1])
-            self.engine.adapter_id(a)
+            self.engine.request_adapter_id(reqs[-1])
             results[rid] = RequestOutput(rid, text, ids, [CompletionOutput(
                 0, "", [], None, logprobs=[] if p.logprobs is not None else None)])
         for req in reqs:
@@ -119,3 +125,9 @@ class LLM:
 def _as_dict(t) -> dict[int, float]:
     """A TokenLogprobs as vLLM's offline API shows it: {token id: logprob} for it and the alternatives."""
     return {t.token_id: t.logprob, **dict(zip(t.top_ids, t.top_logprobs))}
+
+
+def _is_composition(value) -> bool:
+    """A list of (name, weight) pairs (and not a list of per-prompt adapters)."""
+    return bool(value) and all(isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str)
+                               and isinstance(p[1], (int, float)) and not isinstance(p[1], bool) for p in value)

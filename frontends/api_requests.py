@@ -27,6 +27,12 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool | None = None
 
 
+class AdapterWeight(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One adapter of a composition: output = W x + sum_i scale_i * (alpha_i / r_i) * B_i A_i x."""
+    name: Annotated[str, Meta(min_length=1, description="an adapter's name")]
+    scale: Annotated[float, Meta(ge=-10.0, le=10.0)] = 1.0
+
+
 class Generation(msgspec.Struct, kw_only=True):
     """Fields shared by completions and chat completions (OpenAI's, plus vLLM's sampling extensions)."""
     model: Annotated[str, Meta(min_length=1, description="the base model's name or an adapter's name")]
@@ -48,6 +54,10 @@ class Generation(msgspec.Struct, kw_only=True):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
+    adapters: Annotated[list[AdapterWeight], Meta(
+        min_length=1, description="several adapters on this request, each with its scale, added (with `model` "
+                                  "the base model's name, or an adapter's, which then joins them with scale 1.0); "
+                                  "at most the server's --max-adapters-per-request")] | None = None
     user: str | None = None
     # OpenAI / vLLM fields this server does not implement: refused by name unless they say "off"
     suffix: Any = None

@@ -31,6 +31,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept in the host-memory tier")
     p.add_argument("--host-tier-dtype", default=None, choices=("auto", "int8"),
                    help="host-tier copies in the model's dtype (auto, default) or int8 (twice the adapters, lossy)")
+    p.add_argument("--max-adapters-per-request", type=int, default=None,
+                   help="adapters one request may compose with `adapters` (default 4)")
     p.add_argument("--loader-threads", type=int, default=None,
                    help="threads loading adapters beside the steps (default 1)")
     p.add_argument("--adapter-dir", default=None,
@@ -42,7 +44,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     names = ("backend", "device", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "block_size",
              "max_model_len", "max_loras", "max_lora_rank", "max_cpu_loras", "loader_threads", "scheduling_policy",
-             "host_tier_dtype")
+             "host_tier_dtype", "max_adapters_per_request")
     kw = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
     return dict(model=args.model, dtype=args.dtype, **kw)
 

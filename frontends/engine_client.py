@@ -185,7 +185,7 @@ class AsyncEngineClient:
                                                  prompt_logprobs=None if f.received else params.prompt_logprobs)
                 again = GenerateRequest(rid, req.prompt_token_ids + f.received, resent, req.adapter,
                                     req.cache_salt, req.stream, resumed=len(f.received), resumed_chars=f.chars,
-                                    tenant=req.tenant, max_waiting=req.max_waiting)
+                                    tenant=req.tenant, max_waiting=req.max_waiting, adapters=req.adapters)
                 await self.sock.send(encode_request(again))
 
     def new_request_id(self) -> str:
@@ -194,7 +194,8 @@ class AsyncEngineClient:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, adapter: str | None = None,
                        cache_salt: str | None = None, stream: bool = True,
                        request_id: str | None = None, tenant: str = "",
-                       max_waiting: int = 0) -> AsyncIterator[RequestOutput]:
+                       max_waiting: int = 0, adapters: list[tuple[str, float]] | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs (text deltas) until the one with finish_reason. tenant / max_waiting:
         who sent it and that tenant's own bound on its waiting requests (see GenerateRequest). Closing the
         generator early (`contextlib.aclosing`, cancellation, a dropped HTTP client) or closing the client
@@ -204,7 +205,7 @@ class AsyncEngineClient:
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
         request = GenerateRequest(rid, prompt_token_ids, params, adapter, cache_salt, stream, tenant=tenant,
-                                  max_waiting=max_waiting)
+                                  max_waiting=max_waiting, adapters=adapters)
         self._inflight[rid] = _InFlight(request)
         finished = False
         try:

@@ -73,6 +73,9 @@ class GenerationEndpoint(ABC):
         req = await api_requests.read(request, self.request_type)
         ids, echo = self.prompt(req)
         adapter = self.adapter_for(request, req.model)
+        members = self.composition(request, req, adapter)
+        if members:
+            adapter = "+".join(n for n, _ in members)      # its label in metrics and logs
         prompt_only = request_fields.check_length(req, len(ids), self.client.status.max_model_len,
                                                   self.prompt_field, echo is not None)
         request_fields.refuse_unsupported(req, self.refused)
@@ -86,10 +89,11 @@ class GenerationEndpoint(ABC):
         await self.client.until_healthy()    # a bad request is answered at once, also while the engine restarts
         rid = f"{self.id_prefix}-{uuid.uuid4().hex}"
         tenant = caller.tenant
-        gens = Merged([self.client.generate(ids, choice_params(params, i), adapter, salt, stream=stream,
-                                            request_id=rid if n == 1 else f"{rid}-{i}",
+        gens = Merged([self.client.generate(ids, choice_params(params, i), None if members else adapter, salt,
+                                            stream=stream, request_id=rid if n == 1 else f"{rid}-{i}",
                                             tenant="" if tenant is None else tenant.name,
-                                            max_waiting=(tenant.max_waiting or 0) if tenant else 0)
+                                            max_waiting=(tenant.max_waiting or 0) if tenant else 0,
+                                            adapters=members)
                        for i in range(n)])
         if stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -104,6 +108,17 @@ class GenerationEndpoint(ABC):
         if not request["caller"].may_use(adapter):
             raise ApiError(404, no_such_model(model), "model", "model_not_found")
         return adapter
+
+    def composition(self, request: web.Request, req, adapter: str | None) -> list[tuple[str, float]] | None:
+        """`adapters` as (name, scale) pairs, `model`'s adapter first with scale 1.0; each one the caller may
+        use (the same 404 as for a model that does not exist otherwise). The engine checks the rest."""
+        if not req.adapters:
+            return None
+        members = ([(adapter, 1.0)] if adapter is not None else []) + [(a.name, a.scale) for a in req.adapters]
+        for name, _ in members:
+            if not request["caller"].may_use(name) or name == self.client.status.model:
+                raise ApiError(404, no_such_model(name), "adapters", "model_not_found")
+        return members
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

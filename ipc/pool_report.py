@@ -29,7 +29,9 @@ class PoolSample(msgspec.Struct, kw_only=True):
 class AdapterRow(msgspec.Struct, kw_only=True):
     """One adapter the engine knows. tier: "pool" (its pages resident), "loading" (pages being written),
     "host" (a packed copy in host memory, none in the pool), "disk" (registered, weights on disk only),
-    "listed" (in --adapter-dir, never read yet), "failed" (its last load failed: `error` says why)."""
+    "listed" (in --adapter-dir, never read yet), "failed" (its last load failed: `error` says why). A
+    composition of several adapters (engine/lora/compose.py) is a row of its own, named "1 * a + 0.5 * b"
+    (its requests are counted on its members' rows)."""
     name: str
     tier: str
     digest: str = ""              # its content (names of one content share it, and their figures)

@@ -27,6 +27,8 @@ class GenerateRequest(msgspec.Struct, tag="gen", **_STRUCT):
     resumed_chars: int = 0    # (resent after an engine restart), of whose text the client has this much
     tenant: str = ""          # who sent it ("" without tenants): the engine bounds each tenant's queue
     max_waiting: int = 0      # that tenant's own bound on its waiting requests (0: only the global one)
+    adapters: list[tuple[str, float]] | None = None   # several adapters, each times its weight, instead of
+    # `adapter` (engine/lora/compose.py)
 
 
 class AbortRequest(msgspec.Struct, tag="abort", **_STRUCT):

@@ -113,6 +113,8 @@ class EngineCore:
         adapter_pages = 0
         if req.adapter is not None and self.adapters is not None and req.adapter in self.adapters.by_name:
             adapter_pages = self.adapters.by_name[req.adapter].layout.num_pages(self.adapters.page_elems)
+        elif req.adapters and self.adapters is not None:
+            adapter_pages = self.adapters.compose(req.adapters).layout.num_pages(self.adapters.page_elems)
         if need + adapter_pages > self.pool.num_pages:
             raise ValueError(f"prompt + max_tokens need {need} KV blocks" +
                              (f" and adapter {req.adapter!r} {adapter_pages} pages" if adapter_pages else "") +
@@ -154,9 +156,20 @@ class EngineCore:
         return self.adapters.by_name[name].adapter_id
 
     # -- requests (continued) ---------------------------------------------------------------------------
+    def request_adapter_id(self, req: GenerateRequest) -> int:
+        """The adapter a request computes with: 0 (the base model), its adapter's, or its composition's
+        (made at its first request); LookupError / ValueError naming what is wrong."""
+        if req.adapters:
+            if req.adapter is not None:
+                raise ValueError("adapter and adapters: name the adapters of a composition in `adapters` alone")
+            if self.adapters is None:
+                raise LookupError("adapters: LoRA is disabled on this engine")
+            return self.adapters.compose(req.adapters).adapter_id
+        return self.adapter_id(req.adapter)
+
     def add_request(self, req: GenerateRequest) -> None:
         self.validate(req)
-        adapter_id = self.adapter_id(req.adapter)
+        adapter_id = self.request_adapter_id(req)
         r = Request(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), params=req.params,
                     max_tokens=self.max_tokens_for(len(req.prompt_token_ids), req.params.max_tokens),
                     eos_token_ids=self.cfg.model.eos_token_ids, adapter_id=adapter_id,

@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from pathlib import Path
 import torch
 
 from engine.config import LoraConfig, ModelConfig
+from engine.lora.compose import ComposedFiles, check_members, display_name
 from engine.lora.digest import content_digest, known_digest, shape_key
 from engine.lora.host_adapter import AdapterFiles, describe_adapter
 from engine.lora.host_tier import HostTier
@@ -76,6 +78,7 @@ class Adapter:
     digest: str = ""            # its content (engine/lora/digest.py), "" until hashed: names of one content
     names: set[str] = field(default_factory=set)   # share this Adapter; the names registered for it
     shape_key: str = ""
+    members: tuple[tuple[int, float], ...] = ()   # a composition (engine/lora/compose.py): its (id, weight)s
 
 
 @dataclass
@@ -108,6 +111,7 @@ class AdapterManager:
         self.by_id: dict[int, Adapter] = {}
         self.by_key: dict[str, list[Adapter]] = {}  # shape key (engine/lora/digest.py) -> registered adapters
         self.digester = ThreadPoolExecutor(1, thread_name_prefix="loraplex-digest")
+        self.composed: dict[tuple[tuple[int, float], ...], Adapter] = {}   # members -> their composition
         self._digested: deque[Adapter] = deque()   # digested in the background: twins to merge (engine thread)
         self.idle = threading.Event()               # set: the engine has nothing to run (EngineCore)
         self.idle.set()
@@ -205,6 +209,7 @@ class AdapterManager:
             return
         self._forget_key(a)
         a.unregistering = True
+        self._drop_compositions(a)
         self._maybe_drop(a)
 
     def _forget_key(self, a: Adapter) -> None:
@@ -259,9 +264,40 @@ class AdapterManager:
                 lose.names = set()
                 self._forget_key(lose)
                 lose.unregistering = True
+                self._drop_compositions(lose)
                 self._maybe_drop(lose)
                 log.info("adapters %s: one content (%s), served by one copy", sorted(keep.names), keep.digest)
                 break
+
+    def compose(self, members: Sequence[tuple[str, float]]) -> Adapter:
+        """The derived adapter computing these registered adapters, each times its weight (engine/lora/
+        compose.py), made at the first request for it: not loaded yet, loaded as any adapter is."""
+        check_members(members, self.cfg.max_adapters_per_request)
+        parts = [(self.lookup(name), float(w)) for name, w in members]
+        key = tuple((a.adapter_id, w) for a, w in parts)
+        c = self.composed.get(key)
+        if c is not None:
+            return c
+        files = ComposedFiles([(a.files, w) for a, w in parts])
+        if files.rank > self.cfg.max_lora_rank:
+            raise ValueError(f"adapters: their ranks add up to {files.rank}, above max_lora_rank="
+                             f"{self.cfg.max_lora_rank} (a composition's rank is the sum of its members')")
+        layout = self.packer.plan(files.module_shapes(), self.page_elems)
+        if layout.num_pages(self.page_elems) > self.pool.num_pages:
+            raise ValueError(f"adapters: together they need {layout.num_pages(self.page_elems)} pages; the pool "
+                             f"holds {self.pool.num_pages}")
+        c = Adapter(display_name(members), next(self._ids), files.path, files, layout, members=key)
+        self.by_id[c.adapter_id] = c
+        self.composed[key] = c
+        return c
+
+    def _drop_compositions(self, a: Adapter) -> None:
+        """`a` goes away: so do the compositions it is a member of (their requests finish first)."""
+        for key, c in list(self.composed.items()):
+            if any(i == a.adapter_id for i, _ in key):
+                del self.composed[key]
+                c.unregistering = True
+                self._maybe_drop(c)
 
     def placement(self, adapter_id: int) -> tuple[PackedLayout, list[int]]:
         """A resident adapter's layout and pages (what a step reads it from)."""

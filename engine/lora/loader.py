@@ -71,7 +71,8 @@ def read_packed(files: AdapterFiles, layout: PackedLayout, page_elems: int, dtyp
     if packs_in_place(files, dtype, packer):
         _pack_from_file(files, layout, packer, flat, dtype, pace)
         return flat.view(-1, page_elems)
-    for key, a, b in read_weights(files):
+    modules = files.read() if hasattr(files, "read") else read_weights(files)    # a composition: its own
+    for key, a, b in modules:
         pace()
         for name, stored in packer.place(layout, key, a, b, flat):
             check_finite(key, name, stored, dtype)
@@ -82,7 +83,7 @@ def packs_in_place(files: AdapterFiles, dtype: torch.dtype, packer: LoraPacker) 
     """Whether `packer` can write this adapter's file straight into its pages of the pool (one pass)."""
     dtypes = {d for pair in files.where.values() for d, _, _ in pair}
     experts = any(is_expert(module) for _, module in files.where)        # placed by `place`, row-major
-    return hasattr(packer, "pack_file") and not experts and packer.can_pack_file(dtypes, dtype)
+    return hasattr(packer, "pack_file") and bool(files.where) and not experts and packer.can_pack_file(dtypes, dtype)
 
 
 def pack_in_place(files: AdapterFiles, layout: PackedLayout, storage: torch.Tensor, pages: list[int],

@@ -29,6 +29,7 @@ from engine import envs, metrics
 from engine.config import EngineConfig
 from engine.core.engine_core import DeviceFault, EngineCore, freeze_startup_objects
 from engine.core.warm_up import warm_up
+from engine.lora.compose import check_members
 from engine.output_processor import OutputProcessor
 from engine.serving.adapter_commands import AdapterCommands
 from engine.serving.adapter_journal import AdapterJournal
@@ -231,13 +232,17 @@ class AsyncEngine:
         if full is not None:
             return await self.refuse(identity, req.request_id, full, 429)
         try:
-            await self.adapter_ops.load_on_demand(req.adapter)
+            if req.adapters:                        # its count and scales before any folder is read
+                check_members(req.adapters, self.core.cfg.lora.max_adapters_per_request)
+            for name in [req.adapter] + [n for n, _ in req.adapters or ()]:
+                await self.adapter_ops.load_on_demand(name)
             self.core.add_request(req)
         except LookupError as e:
             return await self.refuse(identity, req.request_id, str(e.args[0]) if e.args else str(e), 404)
         except ValueError as e:
             return await self.refuse(identity, req.request_id, str(e), 400)
-        self.pool_view.note_request(req.adapter)
+        for name in [req.adapter] + [n for n, _ in req.adapters or ()]:
+            self.pool_view.note_request(name)
         self.routes.add(req.request_id, identity, req.stream)
         self.processor.add(req.request_id, req.prompt_token_ids, req.params.stop,
                            req.params.include_stop_str_in_output, req.resumed, req.resumed_chars)

@@ -74,7 +74,9 @@ class PoolView:
         m = self.core.adapters
         rows: dict[str, AdapterRow] = {}
         if m is not None:
-            for name, a in m.by_name.items():       # names of one content share one adapter: its figures
+            named = [(name, a) for name, a in m.by_name.items()]    # names of one content share its figures
+            composed = [(c.name, c) for c in m.composed.values()]   # compositions (engine/lora/compose.py)
+            for name, a in named + composed:
                 host = m.host.get(a.adapter_id)
                 tier = {AdapterState.RESIDENT: "pool", AdapterState.LOADING: "loading"}.get(a.state)
                 if tier is None:

@@ -100,6 +100,21 @@ def test_the_report_says_what_the_engine_did(server):
     assert times == sorted(times)
 
 
+def test_a_composition_has_its_own_row(server):
+    """Several adapters on one request (`adapters`): the composition's pages are its own, its row is named
+    after its members, and each member counts the request."""
+    s = server
+    r = requests.post(s.url + "/v1/completions", headers=bearer(ADMIN), timeout=60,
+                      json={"model": "tiny-r2", "prompt": "Hello there", "max_tokens": 2,
+                            "adapters": [{"name": "tiny-r5", "scale": 0.5}]})
+    assert r.status_code == 200, r.text
+    rows = {a["name"]: a for a in pool(s)["adapters"]}
+    row = rows["1 * tiny-r2 + 0.5 * tiny-r5"]
+    assert row["tier"] in ("pool", "host") and row["requests_last_minute"] == 0
+    assert row["file_bytes"] == rows["tiny-r2"]["file_bytes"] + rows["tiny-r5"]["file_bytes"]
+    assert rows["tiny-r5"]["requests_last_minute"] == 1 and rows["tiny-r5"]["tier"] != "listed"
+
+
 @pytest.fixture(scope="module")
 def browser():
     if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
@@ -142,12 +157,13 @@ def test_the_page_draws_the_report_and_refreshes(server, browser, tmp_path):
         t["name"] for t in r["tenants"]}
     # it refreshes by itself: a new report each second, and an adapter used meanwhile shows up
     first = float(d.find_element(By.ID, "updated").get_attribute("data-at"))
+    prior = next(a["requests_last_minute"] for a in pool(s)["adapters"] if a["name"] == "tiny-r5")
     complete(s, TENANT, "tiny-r5", 2)
     WebDriverWait(d, 10).until(lambda d: float(d.find_element(By.ID, "updated").get_attribute("data-at")) > first + 1)
     row = WebDriverWait(d, 10).until(lambda d: next(
         (e for e in d.find_elements(By.CSS_SELECTOR, "#adapters tbody tr") if e.get_attribute("data-name") == "tiny-r5"
          and e.get_attribute("data-tier") != "listed"), None))
-    assert row.find_elements(By.TAG_NAME, "td")[7].text == "2"          # requests in the last minute
+    assert row.find_elements(By.TAG_NAME, "td")[7].text == str(prior + 2)     # requests in the last minute
     # thousands of adapters: the table lists the first MAX_ROWS (the report's order: by tier), the note counts all
     many = dict(r, adapters=r["adapters"] + [{**r["adapters"][0], "name": f"x{i:04d}", "tier": "listed"}
                                             for i in range(1000)])

@@ -317,6 +317,30 @@ def test_models_show_each_adapters_content_digest(server, client, served_adapter
     assert client.completions.create(model="r8-all", prompt="Hi", max_tokens=1).choices[0].text is not None
 
 
+def test_several_adapters_on_one_request(server, client):
+    """`adapters` with the base model, or with an adapter as `model` (which joins with scale 1.0): the same
+    composition either way, not the adapter alone; completions and chat, streamed; bad ones refused by name."""
+    kw = dict(prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=1)
+    both = [{"name": "r8-all", "scale": 1.0}, {"name": "r4-qv", "scale": -2.5}]
+    comp = client.completions.create(model=BASE, extra_body={"ignore_eos": True, "adapters": both}, **kw).choices[0]
+    via = client.completions.create(model="r8-all", extra_body={"ignore_eos": True, "adapters": both[1:]}, **kw)
+    alone = client.completions.create(model="r8-all", extra_body={"ignore_eos": True}, **kw).choices[0]
+    assert via.choices[0].logprobs.token_logprobs == comp.logprobs.token_logprobs
+    assert alone.logprobs.token_logprobs != comp.logprobs.token_logprobs
+    chunks = list(client.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "Say hi"}],
+                                                 max_tokens=4, stream=True, extra_body={"adapters": both}))
+    assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+    five = [{"name": n} for n in ("r8-all", "r4-qv", "r16-attn", "late", "other")]
+    for adapters, status, text in (([{"name": "r4-qv", "scale": 11}], 400, "adapters"),
+                                   (five, 400, "at most 4"),
+                                   ([{"name": "nope"}], 404, "nope"),
+                                   ([{"name": BASE}], 404, BASE)):
+        r = requests.post(server.url + "/v1/completions", headers=AUTH, timeout=60,
+                          json={"model": BASE, "prompt": "Hi", "max_tokens": 1, "adapters": adapters})
+        assert r.status_code == status and text in r.json()["error"]["message"], r.text
+    assert client.completions.create(model=BASE, prompt="Hi", max_tokens=1).choices[0].text is not None
+
+
 def test_adapter_on_demand_from_adapter_dir(server, client, served_adapters):
     d, src = served_adapters
     shutil.copytree(src / "r64-ko", d / "late")

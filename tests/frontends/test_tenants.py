@@ -68,6 +68,22 @@ def test_a_tenant_sees_and_uses_only_its_own(server):
     assert {m.id for m in beta.models.list().data} == {"SmolLM2-135M-Instruct", "beta-1"}
 
 
+def test_a_tenant_composes_only_its_own_adapters(server):
+    s, _ = server
+    acme = client(s, "sk-acme-1")
+    out = acme.completions.create(model="acme-1", prompt="Hi", max_tokens=2,
+                                  extra_body={"adapters": [{"name": "shared-1", "scale": 0.5}]})
+    assert out.choices[0].text is not None
+    for name in ("beta-1", "no-such-adapter"):                  # the same 404 as for a model
+        with pytest.raises(openai.NotFoundError) as e:
+            acme.completions.create(model="acme-1", prompt="Hi", max_tokens=2,
+                                    extra_body={"adapters": [{"name": name}]})
+        assert name in e.value.body["message"] and e.value.body["param"] == "adapters"
+    with pytest.raises(openai.NotFoundError):                   # nor the base model, which acme may not use
+        acme.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2,
+                                extra_body={"adapters": [{"name": "acme-1"}]})
+
+
 def test_load_and_unload_need_an_admin_key(server):
     s, src = server
     body = {"lora_name": "acme-2", "lora_path": str(src / "r8-all")}
