@@ -278,8 +278,10 @@ def test_load_use_unload_adapter_over_http(server, client, served_adapters):
     r = requests.post(server.url + "/v1/load_lora_adapter", headers=AUTH,
                       json={"lora_name": "extra", "lora_path": str(src / "r32-mlp")})
     assert r.status_code == 200, r.text
-    assert "extra" in {m.id for m in client.models.list().data}
-    assert client.completions.create(model="extra", **kw).choices[0].text
+    assert client.completions.create(model="extra", **kw).choices[0].text        # at once, through any frontend
+    # every frontend lists it once the engine's status broadcast reaches it (the other frontend may be a few
+    # milliseconds behind the one that answered the load)
+    assert wait_until(lambda: "extra" in {m.id for m in client.models.list().data}, timeout=5)
     r = requests.post(server.url + "/v1/unload_lora_adapter", headers=AUTH, json={"lora_name": "extra"})
     assert r.status_code == 200, r.text
     with pytest.raises(openai.NotFoundError):
