@@ -12,6 +12,7 @@ of its pages: element e lives at page `pages[e // page_elems]`, offset `e % page
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -68,6 +69,11 @@ class PackedLayout:
 
     def num_pages(self, page_elems: int) -> int:
         return -(-self.num_elems // page_elems)
+
+    @functools.cached_property
+    def has_experts(self) -> bool:
+        """Whether it holds a LoRA of experts (looked up every step of a mixture-of-experts model)."""
+        return any(is_expert(module) for _, module in self.modules)
 
 
 class LoraPacker:

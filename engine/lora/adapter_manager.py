@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from engine.config import LoraConfig, ModelConfig
+from engine.lora import compose
 from engine.lora.compose import ComposedFiles, check_members, display_name
 from engine.lora.digest import content_digest, known_digest, shape_key
 from engine.lora.host_adapter import AdapterFiles, describe_adapter
@@ -111,7 +112,8 @@ class AdapterManager:
         self.by_id: dict[int, Adapter] = {}
         self.by_key: dict[str, list[Adapter]] = {}  # shape key (engine/lora/digest.py) -> registered adapters
         self.digester = ThreadPoolExecutor(1, thread_name_prefix="loraplex-digest")
-        self.composed: dict[tuple[tuple[int, float], ...], Adapter] = {}   # members -> their composition
+        # members -> their composition, least recently asked first (at most compose.MAX_KEPT)
+        self.composed: OrderedDict[tuple[tuple[int, float], ...], Adapter] = OrderedDict()
         self._digested: deque[Adapter] = deque()   # digested in the background: twins to merge (engine thread)
         self.idle = threading.Event()               # set: the engine has nothing to run (EngineCore)
         self.idle.set()
@@ -277,6 +279,7 @@ class AdapterManager:
         key = tuple((a.adapter_id, w) for a, w in parts)
         c = self.composed.get(key)
         if c is not None:
+            self.composed.move_to_end(key)
             return c
         files = ComposedFiles([(a.files, w) for a, w in parts])
         if files.rank > self.cfg.max_lora_rank:
@@ -289,7 +292,21 @@ class AdapterManager:
         c = Adapter(display_name(members), next(self._ids), files.path, files, layout, members=key)
         self.by_id[c.adapter_id] = c
         self.composed[key] = c
+        self._forget_compositions()
         return c
+
+    def _forget_compositions(self) -> None:
+        """Keep at most compose.MAX_KEPT compositions (clients choose scales freely, so each new one would
+        otherwise stay): forget the least recently asked ones that no request uses, pages and all."""
+        excess = len(self.composed) - compose.MAX_KEPT
+        for key, c in list(self.composed.items()):
+            if excess <= 0:
+                break
+            if not c.active and not c.queued:
+                del self.composed[key]
+                c.unregistering = True
+                self._maybe_drop(c)
+                excess -= 1
 
     def _drop_compositions(self, a: Adapter) -> None:
         """`a` goes away: so do the compositions it is a member of (their requests finish first)."""

@@ -19,6 +19,7 @@ import torch
 from engine.lora.host_adapter import AdapterFiles, read_weights
 
 MAX_WEIGHT = 10.0         # |w_i| at most this
+MAX_KEPT = 1024           # compositions known at once; beyond, the least recently asked idle one is forgotten
 
 
 def check_members(members: Sequence[tuple[str, float]], max_members: int) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.lora_layout import ModuleSlice, PackedLayout, is_expert
+from kernels.lora_layout import ModuleSlice, PackedLayout
 
 
 @dataclass
@@ -47,7 +47,7 @@ class ExpertLora:
         for aid in dict.fromkeys(token_adapters):
             if aid:
                 layout, pages = placement(aid)
-                if any(is_expert(m) for _, m in layout.modules):
+                if layout.has_experts:
                     index[aid] = len(adapters)
                     adapters.append(_Placed(layout, torch.tensor(list(pages), dtype=torch.int64, device=dev)))
         if not adapters:

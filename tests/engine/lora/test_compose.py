@@ -117,3 +117,21 @@ def test_ranks_beyond_max_lora_rank_are_refused(tiny):
     with pytest.raises(ValueError, match="ranks add up to 24, above max_lora_rank=16"):        # on o_proj, up_proj
         llm.generate([PROMPTS[0]], GREEDY, adapter=[[("all-r8", 1.0), ("rs-r16", 1.0)]])
     assert llm.generate([PROMPTS[0]], GREEDY, adapter=[[("qv-r4", 1.0), ("rs-r16", 1.0)]])[0].token_ids   # 16
+
+
+def test_compositions_are_bounded_least_recently_asked_first(tiny, monkeypatch):
+    """Clients choose scales freely: beyond compose.MAX_KEPT compositions the least recently asked idle one
+    is forgotten (pages, host copy, prefix cache); one asked again is made again, with the same tokens."""
+    from engine.lora import compose
+    monkeypatch.setattr(compose, "MAX_KEPT", 2)
+    d, oracle = tiny
+    llm = engine(d)
+    m = llm.engine.adapters
+    first = llm.generate([PROMPTS[0]], GREEDY, adapter=[COMPOSITIONS["two"]])[0].token_ids
+    old = next(iter(m.composed.values()))
+    for w in (0.1, 0.2):
+        llm.generate([PROMPTS[0]], GREEDY, adapter=[[("qv-r4", w)]])
+    assert len(m.composed) == 2 and old.adapter_id not in m.by_id
+    assert llm.engine.pool.usage()["adapter"] == sum(len(c.pages) for c in m.by_id.values())
+    again = llm.generate([PROMPTS[0]], GREEDY, adapter=[COMPOSITIONS["two"]])[0].token_ids
+    assert again == first == peft_greedy(oracle, "two", PROMPTS[0], 8)
