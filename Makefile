@@ -58,7 +58,8 @@ GPU_CHECK_OUT ?= gpu-check.txt
 GPU_PY ?= $(BIN)/python
 GPU_TESTS := tests/kernels/test_backends.py tests/kernels/triton tests/engine/test_backend_fidelity.py \
 	tests/engine/lora/test_distinct_adapters.py tests/engine/lora/test_page_copier.py tests/engine/test_sampler.py \
-	tests/engine/model/test_families.py
+	tests/engine/model/test_families.py tests/engine/model/test_expert_lora.py tests/engine/lora/test_compose.py \
+	tests/engine/lora/test_dora.py
 gpu-check: $(if $(filter $(BIN)/python,$(GPU_PY)),$(STAMP))
 	$(GPU_PY) -c "import torch; assert torch.cuda.is_available(), 'gpu-check needs a CUDA device'; print(torch.cuda.get_device_name(), 'torch', torch.__version__)" | tee $(GPU_CHECK_OUT)
 	TRITON_INTERPRET=0 LORAPLEX_TEST_DEVICE=cuda $(GPU_PY) -m pytest -q -p no:cacheprovider $(GPU_TESTS) 2>&1 | tee -a $(GPU_CHECK_OUT)

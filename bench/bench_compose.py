@@ -9,13 +9,9 @@ Writes bench/results/compose.json and .png. Usage: python -m bench.bench_compose
 """
 from __future__ import annotations
 
-import argparse
-import tempfile
-from pathlib import Path
-
 from bench.adapters import ALL, write_peft_adapter
-from bench.bench_lora import prompts_for, run
-from bench.output import write
+from bench.bench_lora import alternate, pair_args, prompts_for
+from bench.output import write_pair
 from engine.config import EngineConfig
 from engine.llm import LLM
 
@@ -24,13 +20,7 @@ SCALES = (1.0, 0.5, -0.5, 0.25)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--out-len", type=int, default=64)
-    p.add_argument("--workdir", default=None)
-    args = p.parse_args()
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-compose-"))
+    args, work = pair_args(__doc__, "bench-compose-")
     cfg = EngineConfig.create(dtype="bfloat16").model
     names = [f"c{i}" for i in range(ADAPTERS)]
     llm = LLM(dtype="bfloat16")
@@ -39,27 +29,12 @@ def main() -> None:
     prompts = prompts_for(NUM, args.prompt_len)
     one = [names[i % ADAPTERS] for i in range(NUM)]
     composed = [[(names[(i + k) % ADAPTERS], s) for k, s in enumerate(SCALES)] for i in range(NUM)]
-    run(llm, prompts, one, 2)                     # loads every adapter and every composition
-    run(llm, prompts, composed, 2)
-    ones, comps = [], []
-    for _ in range(args.repeats):
-        ones.append(run(llm, prompts, one, args.out_len))
-        comps.append(run(llm, prompts, composed, args.out_len))
-    best_one, best_comp = max(ones), max(comps)
-    ratio = best_comp / best_one
+    ones, comps = alternate(llm, prompts, one, composed, args.out_len, args.repeats)
     print(f"{NUM} requests x {args.prompt_len}+{args.out_len} tokens over {ADAPTERS} rank-{RANK} adapters on all "
           f"projections, bfloat16, LLM() defaults; best of {args.repeats} alternated runs")
-    print(f"    one adapter each      : {best_one:8.1f} tok/s   (runs: {', '.join(f'{x:.0f}' for x in ones)})")
-    print(f"    4 adapters composed   : {best_comp:8.1f} tok/s   (runs: {', '.join(f'{x:.0f}' for x in comps)})")
-    print(f"    ratio                 : {ratio:.2f}x one adapter each (goal >= 0.7x)")
-    data = {"requests": NUM, "adapters": ADAPTERS, "rank": RANK, "scales": SCALES, "one_tok_s": ones,
-            "composed_tok_s": comps, "ratio": ratio}
-
-    def plot(ax):
-        ax.bar(["one adapter each", "4 adapters composed"], [best_one, best_comp], color=["#4c72b0", "#dd8452"])
-        ax.set_ylabel("tokens / s (best run)")
-        ax.set_title(f"bench_compose: {ratio:.2f}x ({NUM} requests, rank-{RANK} adapters, bf16)")
-    write("compose", data, plot)
+    write_pair("compose", ("one adapter each", ones), ("4 adapters composed", comps),
+               f"{NUM} requests, rank-{RANK} adapters, bf16",
+               {"requests": NUM, "adapters": ADAPTERS, "rank": RANK, "scales": SCALES}, goal="goal >= 0.7x")
     llm.engine.adapters.close()
 
 

@@ -34,6 +34,30 @@ def run(llm: LLM, prompts, adapters, out_len: int) -> float:
     return n / dt
 
 
+def pair_args(doc: str, prefix: str):
+    """The command line of a two-sided benchmark at LLM() defaults: --repeats, --prompt-len, --out-len,
+    --workdir (a new temporary folder unless given) -> (args, workdir)."""
+    p = argparse.ArgumentParser(description=doc.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--out-len", type=int, default=64)
+    p.add_argument("--workdir", default=None)
+    args = p.parse_args()
+    return args, Path(args.workdir or tempfile.mkdtemp(prefix=prefix))
+
+
+def alternate(llm: LLM, prompts, a, b, out_len: int, repeats: int) -> tuple[list[float], list[float]]:
+    """Side a's and side b's adapters (lists as run takes them) once each to load them, then alternated
+    `repeats` times -> tokens/s of every run of a, of b."""
+    run(llm, prompts, a, 2)
+    run(llm, prompts, b, 2)
+    runs_a, runs_b = [], []
+    for _ in range(repeats):
+        runs_a.append(run(llm, prompts, a, out_len))
+        runs_b.append(run(llm, prompts, b, out_len))
+    return runs_a, runs_b
+
+
 def stats_line(llm: LLM, before) -> str:
     s = llm.engine.adapters.stats
     return (f"loads {s.loads - before[0]}, evictions {s.evictions - before[1]}, "

@@ -10,7 +10,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export PYTHONPATH=/tmp/site:$PWD LORAPLEX_CACHE=/tmp/loraplex
 python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)" | tee $LOG
 python3 -m bench.tiny_model .gpu/shape $LORAPLEX_CACHE/models/SmolLM2-135M-Instruct >/dev/null || exit 8
-TESTS="${GPU_TESTS:-tests/kernels/test_backends.py tests/kernels/triton tests/engine/test_backend_fidelity.py tests/engine/lora/test_distinct_adapters.py tests/engine/lora/test_page_copier.py tests/engine/test_sampler.py tests/engine/model/test_families.py}"
+TESTS="${GPU_TESTS:-tests/kernels/test_backends.py tests/kernels/triton tests/engine/test_backend_fidelity.py tests/engine/lora/test_distinct_adapters.py tests/engine/lora/test_page_copier.py tests/engine/test_sampler.py tests/engine/model/test_families.py tests/engine/model/test_expert_lora.py tests/engine/lora/test_compose.py tests/engine/lora/test_dora.py}"
 LORAPLEX_TEST_DEVICE=cuda step ${PYTEST_S:-200} python3 -m pytest -q -p no:cacheprovider --timeout 100 -rfE --durations 8 $TESTS
 for s in ${STEPS:-serve_check:45 bench_engine:60 bench_peft:75 bench_coldstart:35 bench_lora:30 bench_attention:25}; do
   n=${s%%:*}; t=${s##*:}; a="--device cuda"; [ $n = bench_engine ] && a="$a --repeats 3"; [ $n = bench_peft ] && a="$a --experiment peft"

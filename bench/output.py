@@ -45,3 +45,24 @@ def write(name: str, data: dict, plot, out: str | None = None) -> tuple[Path, Pa
     plt.close(fig)
     print(f"wrote {js} and {png}")
     return js, png
+
+
+def write_pair(name: str, base: tuple[str, list[float]], other: tuple[str, list[float]], title: str, data: dict,
+               goal: str = "") -> float:
+    """Two sides of one run as tokens/s per alternated run (label, runs): prints each side's best and runs and
+    the ratio best other / best base (with `goal`, e.g. "goal >= 0.7x"), writes NAME.json (data, both sides'
+    runs, the ratio) and a bar plot of the best runs titled `title` -> the ratio."""
+    (label_a, runs_a), (label_b, runs_b) = base, other
+    best_a, best_b = max(runs_a), max(runs_b)
+    ratio = best_b / best_a
+    for label, best, runs in ((label_a, best_a, runs_a), (label_b, best_b, runs_b)):
+        print(f"    {label:<22}: {best:8.1f} tok/s   (runs: {', '.join(f'{x:.0f}' for x in runs)})")
+    print(f"    {'ratio':<22}: {ratio:.2f}x {label_a}" + (f" ({goal})" if goal else ""))
+
+    def plot(ax):
+        ax.bar([label_a, label_b], [best_a, best_b], color=["#4c72b0", "#dd8452"])
+        ax.set_ylabel("tokens / s (best run)")
+        ax.set_title(f"{name}: {ratio:.2f}x ({title})")
+    write(name, {**data, "base": {"label": label_a, "tok_s": runs_a}, "other": {"label": label_b, "tok_s": runs_b},
+                 "ratio": ratio}, plot)
+    return ratio

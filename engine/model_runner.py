@@ -12,6 +12,8 @@ import torch
 
 from engine import envs
 from engine.config import EngineConfig
+from engine.lora import dora
+from engine.model.dora_scales import DoraScales
 from engine.model.expert_lora import ExpertLora
 from engine.model.llama import LlamaModel
 from engine.model.weights import load_weights
@@ -111,6 +113,24 @@ class ModelRunner:
         num_decode = sum(1 for n in out.num_new_tokens if n == 1)
         return self.backend.lora_step(adapters, token_slots, num_decode)
 
+    def base_weight(self, layer: int, module: str) -> torch.Tensor:
+        """The base model's weight of one projection, W [out, in] in the model dtype on the device: a view of
+        its fused group's weight (what DoRA adapters' loads read, engine/lora/dora.py; any thread may call)."""
+        group, first, end = dora.group_rows(self.cfg.model, module)
+        layer_weights = self.model.w.layers[layer]
+        linear = {"qkv": layer_weights.qkv, "o": layer_weights.o, "gate_up": layer_weights.gate_up,
+                  "down": layer_weights.down}[group]
+        if linear is None:
+            raise ValueError(f"model: layer {layer} has no {module} (a mixture-of-experts layer)")
+        return linear.weight[first:end]
+
+    def dora_scales(self, out: SchedulerOutput) -> DoraScales | None:
+        """The step's DoRA rescaling (engine/model/dora_scales.py), from the adapters' places in the pool."""
+        if self.placement is None:
+            return None
+        ids = [req.adapter_id or 0 for req, n in zip(out.requests, out.num_new_tokens) for _ in range(n)]
+        return DoraScales.build(self.backend, self.storage, ids, self.placement)
+
     def expert_lora(self, out: SchedulerOutput) -> ExpertLora | None:
         """The step's LoRA on a mixture-of-experts model's experts (engine/model/expert_lora.py), from the
         adapters' places in the pool (`placement`, set by the engine: adapter id -> layout, pages)."""
@@ -126,15 +146,16 @@ class ModelRunner:
         self.order(out, adapters)
         lora = self.lora_step(out, adapters)
         experts = self.expert_lora(out)
+        scales = self.dora_scales(out)
         inp = self.prepare(out)
         if inp.prompt_rows:
             logits, hidden = self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches,
                                                 inp.logits_indices, lora,
-                                                torch.tensor(inp.prompt_rows, device=self.device), experts)
+                                                torch.tensor(inp.prompt_rows, device=self.device), experts, scales)
             self._prompt_logprobs(hidden, inp.prompt_targets)
         else:
             logits = self.model.forward(inp.input_ids, inp.positions, inp.meta, self.kv_caches,
-                                        inp.logits_indices, lora, experts=experts)
+                                        inp.logits_indices, lora, experts=experts, dora=scales)
         if not inp.sample_rows:
             return ModelOutput()
         reqs = [out.requests[r] for r in inp.sample_rows]

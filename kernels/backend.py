@@ -118,6 +118,16 @@ class InPlaceSlots:
         """A subclass forgets what else it kept for the slot."""
 
 
+class DoraRows(Protocol):
+    """A step's DoRA row scales as the kernels take them (built by engine/model/dora_scales.py): for each
+    (layer, group) some DoRA adapter of the step adapts, `offs[index[(layer, group)]]` [T] int64 gives each
+    token row's element offset of its vector of g - 1 in `storage` ([num_pages, page_elems], the pool),
+    -1 for rows left alone (Backend.dora_scale's offs)."""
+    storage: torch.Tensor
+    offs: torch.Tensor              # [K, T] int64, rows contiguous
+    index: dict[tuple[int, str], int]
+
+
 class FusedDecoder(Protocol):
     """All decoder layers of a step in one call, with the bits of the op-by-op loop (LlamaModel._layers)."""
 
@@ -125,11 +135,12 @@ class FusedDecoder(Protocol):
         """Whether run() takes this step (else the model runs the layers op by op)."""
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-            lora: LoraStep | None, local: tuple | None = None) -> torch.Tensor:
+            lora: LoraStep | None, local: tuple | None = None, dora: DoraRows | None = None) -> torch.Tensor:
         """x: [T, H] the embeddings, updated in place to the residual stream before the last layer's MLP
         residual add, which is returned ([T, H]; the caller adds it). cos, sin: [T, head_dim]; local: the
-        sliding layers' own (cos, sin) where the model has them (Gemma 3), else None. The model's family
-        switches (engine/model/family.py) are the decoder's to honour, as the loop does."""
+        sliding layers' own (cos, sin) where the model has them (Gemma 3), else None; dora: the DoRA rows'
+        scales, applied after each group's LoRA deltas as the loop does (Backend.dora_scale). The model's
+        family switches (engine/model/family.py) are the decoder's to honour, as the loop does."""
 
 
 class Backend(ABC):
@@ -246,6 +257,17 @@ class Backend(ABC):
     def lora_step(self, slots: AdapterSlots, token_slots: Sequence[int], num_decode: int) -> LoraStep | None:
         """The step's LoRA: token_slots[t] is token t's slot (-1: the base model); the first num_decode
         tokens are decode tokens (one per request). None when no token has an adapter."""
+
+    def dora_scale(self, y: torch.Tensor, storage: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """DoRA's row scales (engine/lora/dora.py) on a projection group's output before any bias: y [T, N]; each
+        row t with offs[t] >= 0 becomes y[t] + y[t] * d_t rounded once to y's dtype (torch's addcmul), d_t the
+        N elements of storage.view(-1) from offs[t] (its adapter's vector, in the pool's pages); the other
+        rows are left alone. offs: [T] int64 on y's device. May update y in place; returns the result."""
+        rows = (offs >= 0).nonzero().squeeze(1)
+        if rows.numel():
+            d = storage.view(-1)[offs[rows][:, None] + torch.arange(y.shape[1], device=y.device)]
+            y[rows] = torch.addcmul(y[rows], y[rows], d)
+        return y
 
     # -- optional fusions -------------------------------------------------------------------------------
     def decoder(self, shape: ModelShape, layers: Sequence, kv_caches: list[KVCache]) -> FusedDecoder | None:

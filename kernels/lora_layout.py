@@ -9,10 +9,16 @@ of its pages: element e lives at page `pages[e // page_elems]`, offset `e % page
   [out, r] row-major, one after another, in sorted (layer, module) order (`PackedLayout.modules`).
 - kernels/cpu/lora_pack.py (the CPU backend): per (layer, fused group) blocks in its C kernels' own layout,
   none crossing a page (`PackedLayout.blocks`), so that its kernels read them in place by pointer.
+
+A DoRA adapter (engine/lora/dora.py) also holds, after everything a packer placed (`with_dora`), one vector
+per (layer, fused group) it adapts: g - 1 for each of the group's output rows, [out of the group], 0 for the
+rows of projections it does not adapt; each vector inside one page (`PackedLayout.dora`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -25,6 +31,11 @@ Shapes = dict[tuple[int, str], tuple[int, int, int, float]]
 # k * E + e), its "rank" E * r; always row-major in the flat space, read by engine/model/expert_lora.py
 # (the backends' kernels never see them).
 EXPERT_MODULES = ("experts.gate_up_proj", "experts.down_proj")
+
+# fused group -> its projections in output order (the fused weights', the GEMMs' and the C decoder's)
+GROUP_MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
+                 "down": ("down_proj",)}
+GROUP_OF = {m: (g, i) for g, mods in GROUP_MODULES.items() for i, m in enumerate(mods)}
 
 
 def is_expert(module: str) -> bool:
@@ -66,6 +77,8 @@ class PackedLayout:
     # (ranks below a block's rank, a group's missing projection): what a packer that writes into reused
     # pages zeroes first (blocks layouts only; the bytes between blocks are never read)
     gaps: tuple[tuple[int, int], ...] = ()
+    # DoRA: (layer, group) -> (first element, count) of its vector of g - 1 (see the module doc)
+    dora: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict)
 
     def num_pages(self, page_elems: int) -> int:
         return -(-self.num_elems // page_elems)
@@ -74,6 +87,48 @@ class PackedLayout:
     def has_experts(self) -> bool:
         """Whether it holds a LoRA of experts (looked up every step of a mixture-of-experts model)."""
         return any(is_expert(module) for _, module in self.modules)
+
+
+DORA_ALIGN = 32     # elements: a DoRA vector starts 64-byte aligned (in bf16)
+
+
+def with_dora(layout: PackedLayout, sizes: dict[tuple[int, str], int], page_elems: int) -> PackedLayout:
+    """The layout with a DoRA vector of sizes[(layer, group)] elements per group, placed after everything
+    else, in sorted order, each moved to the next page's start when it would cross into it (the kernels read
+    a vector from one page: Backend.dora_scale)."""
+    off = layout.num_elems
+    dora = {}
+    for key in sorted(sizes):
+        n = sizes[key]
+        if n > page_elems:
+            raise ValueError(f"adapter: its DoRA scales of layer {key[0]}'s {key[1]} are {n} elements, more than "
+                             f"one page of the pool holds ({page_elems}); raise the block size")
+        off = -(-off // DORA_ALIGN) * DORA_ALIGN
+        if off // page_elems != (off + n - 1) // page_elems:
+            off = -(-off // page_elems) * page_elems
+        dora[key] = (off, n)
+        off += n
+    return dataclasses.replace(layout, num_elems=off, dora=dora)
+
+
+def flat_slices(page_elems: int, pages: Sequence[int], first: int, count: int) -> list[tuple[int, int, int]]:
+    """Elements [first, first + count) of an adapter's flat space as pieces of the pool's flat storage:
+    [(storage element, element of the range, length)], one per page it touches."""
+    out = []
+    e = first
+    while e < first + count:
+        n = min(first + count - e, page_elems - e % page_elems)
+        out.append((pages[e // page_elems] * page_elems + e % page_elems, e - first, n))
+        e += n
+    return out
+
+
+def write_range(storage: torch.Tensor, pages: Sequence[int], first: int, values: torch.Tensor) -> None:
+    """values [count] (converted to the storage's dtype) -> elements [first, first + count) of the flat space
+    whose pages in the pool storage [num_pages, page_elems] are `pages`."""
+    flat = storage.view(-1)
+    for at, i, n in flat_slices(storage.shape[1], pages, first, values.numel()):
+        flat[at:at + n].copy_(values[i:i + n])
 
 
 class LoraPacker:

@@ -25,13 +25,19 @@ FIDELITY_ADAPTERS = {
 
 
 def init_nonzero(model, name: str, seed: int, std: float = 0.06) -> None:
-    """PEFT starts B at zero; give A and B seeded values so the adapter changes outputs."""
+    """PEFT starts B at zero; give A and B seeded values so the adapter changes outputs. A DoRA adapter's
+    magnitudes (PEFT sets them to the base rows' norms) each move by up to about 30%, as training would."""
     g = torch.Generator().manual_seed(seed)
     for mod_name, module in sorted(model.named_modules()):
         if hasattr(module, "lora_A") and name in module.lora_A:
             for w in (module.lora_A[name].weight, module.lora_B[name].weight):
                 with torch.no_grad():
                     w.copy_(torch.randn(w.shape, generator=g) * std)
+            mags = getattr(module, "lora_magnitude_vector", None)
+            if mags is not None and name in mags:
+                m = mags[name].weight
+                with torch.no_grad():
+                    m.mul_(1 + 0.1 * torch.randn(m.shape, generator=g).clamp(-3, 3))
 
 
 def make_adapters(base, out_dir: Path, specs: dict[str, dict], seed: int = 0, std: float = 0.06) -> PeftModel:

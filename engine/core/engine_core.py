@@ -71,7 +71,7 @@ class EngineCore:
         self.adapters = self.slots = admission = None
         if cfg.lora.enable_lora:
             self.adapters = AdapterManager(cfg.lora, cfg.model, self.pool, self.runner.storage,
-                                           self.runner.backend.lora_packer())
+                                           self.runner.backend.lora_packer(), self.runner.base_weight)
             self.slots = self.runner.backend.lora_slots(cfg.lora.max_loras, cfg.lora.max_lora_rank, cfg.model,
                                                         self.runner.storage)
             self.adapters.on_drop.append(self._adapter_dropped)

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from engine.config import LoraConfig, ModelConfig
-from engine.lora import compose
+from engine.lora import compose, dora
 from engine.lora.compose import ComposedFiles, check_members, display_name
 from engine.lora.digest import content_digest, known_digest, shape_key
 from engine.lora.host_adapter import AdapterFiles, describe_adapter
@@ -100,8 +100,11 @@ class AdapterStats:
 
 class AdapterManager:
     def __init__(self, cfg: LoraConfig, model: ModelConfig, pool: PagePool, storage: torch.Tensor,
-                 packer: LoraPacker | None = None):
-        """packer: the compute backend's layout of adapters in pages (Backend.lora_packer)."""
+                 packer: LoraPacker | None = None, base_weight: dora.BaseWeight | None = None):
+        """packer: the compute backend's layout of adapters in pages (Backend.lora_packer); base_weight:
+        (layer, projection) -> the base model's W [out, in] (ModelRunner.base_weight), which DoRA adapters'
+        loads read (engine/lora/dora.py); None: DoRA adapters are refused."""
+        self.base_weight = base_weight
         self.cfg = cfg
         self.model = model
         self.pool = pool
@@ -126,8 +129,10 @@ class AdapterManager:
         self.next_use: dict[int, int] = {}
         self._ids = itertools.count(1)
         self.copier = PageCopier(storage)
+        base = None if base_weight is None else dora.BaseRows(base_weight)
+        scales = None if base is None else (lambda files, pace: dora.scales(files, model, base, pace))
         self.loader = AdapterLoader(storage, model.dtype, self.packer, self.copier.cuda, cfg.loader_threads,
-                                    host_int8=cfg.host_tier_dtype == "int8")
+                                    host_int8=cfg.host_tier_dtype == "int8", dora_scales=scales)
         self.host = HostTier(cfg.max_cpu_loras, cfg.max_cpu_lora_bytes)
         self._failed: list[tuple[Adapter, str]] = []   # failures wait_loads saw, for the next poll
         # host copies (see the module's invariants): resident adapters loaded in place that have none yet,
@@ -143,7 +148,11 @@ class AdapterManager:
     # -- registry ---------------------------------------------------------------------------------------
     def describe(self, path: str | Path) -> AdapterFiles:
         """Validate an adapter's config and weight shapes (no weights read; any thread may call it)."""
-        return describe_adapter(path, self.model, self.cfg.max_lora_rank)
+        files = describe_adapter(path, self.model, self.cfg.max_lora_rank)
+        if files.magnitudes and self.base_weight is None:
+            raise ValueError(f"adapter: {path} is a DoRA adapter; this engine has no base model weights to "
+                             f"compute its magnitudes' scales from")
+        return files
 
     def register(self, name: str, path: str | Path, pinned: bool = False, files: AdapterFiles | None = None,
                  hash_now: bool = True) -> Adapter:
@@ -179,7 +188,8 @@ class AdapterManager:
                 self.by_name[name] = same
                 same.names.add(name)
                 return same
-        layout = self.packer.plan(files.module_shapes(), self.page_elems)
+        layout = dora.plan(self.packer.plan(files.module_shapes(), self.page_elems), files, self.model,
+                           self.page_elems)
         need = layout.num_pages(self.page_elems)
         if pinned and self._pinned_pages() + need + self._largest_pages(need) > self.pool.num_pages:
             raise ValueError(f"adapter {name!r}: pinning it would leave no room in the pool for another adapter")
@@ -276,6 +286,10 @@ class AdapterManager:
         compose.py), made at the first request for it: not loaded yet, loaded as any adapter is."""
         check_members(members, self.cfg.max_adapters_per_request)
         parts = [(self.lookup(name), float(w)) for name, w in members]
+        for (name, _), (a, _) in zip(members, parts):
+            if a.files.magnitudes:
+                raise ValueError(f"adapters: {name!r} is a DoRA adapter; DoRA adapters are served alone, not "
+                                 f"composed (a sum of DoRA adapters has no one magnitude)")
         key = tuple((a.adapter_id, w) for a, w in parts)
         c = self.composed.get(key)
         if c is not None:

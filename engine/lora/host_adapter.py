@@ -34,6 +34,9 @@ _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|
 # parameter, nested on the experts module, so the keys name the nesting depth, not the parameter
 _EXPERT_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.mlp\.experts\.((?:base_layer\.)*)"
                          r"lora_([AB])(?:\.\w+)?\.weight$")
+# DoRA's magnitude vector of a projection ([out]; saved without ".weight" by PEFT 0.21)
+_MAG_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)"
+                      r"\.lora_magnitude_vector(?:\.\w+)?(?:\.weight)?$")
 # safetensors dtype names that are floating point (what torch's is_floating_point accepts)
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -79,6 +82,9 @@ class AdapterFiles:
     signature: tuple[int, ...]                                    # the files' sizes and mtimes
     rows: dict[tuple[int, str], tuple[int, int]] = dataclasses.field(default_factory=dict)
     # a piece of a fused module -> the rows [first, end) of the fused B that are its B
+    magnitudes: dict[tuple[int, str], str] = dataclasses.field(default_factory=dict)
+    # DoRA (spec.use_dora): (layer, module) -> the name of its magnitude vector (a fused module's pieces:
+    # their rows of it, `rows`)
 
     def module_shapes(self) -> dict[tuple[int, str], tuple[int, int, int, float]]:
         return self.shapes
@@ -155,11 +161,16 @@ def describe_adapter(adapter_dir: str | Path, cfg: ModelConfig, max_rank: int,
     f = weights_file(d)
     served = model_modules(cfg.fused_projections, cfg.moe is not None)
     parts: dict[tuple[int, str], dict[str, tuple[str, dict]]] = {}
+    mags: dict[tuple[int, str], tuple[str, dict]] = {}
     nested: dict[tuple[int, int], dict[str, tuple[str, dict]]] = {}     # (layer, depth) -> an expert LoRA
     for key, info in read_header(f).items():
         e = _EXPERT_KEY.match(key)
         if e:
             nested.setdefault((int(e.group(1)), e.group(2).count(".")), {})[e.group(3)] = (key, info)
+            continue
+        g = _MAG_KEY.match(key)
+        if g and spec.use_dora and int(g.group(1)) < cfg.num_layers and g.group(2) in served:
+            mags[(int(g.group(1)), g.group(2))] = (key, info)
             continue
         m = _KEY.match(key)
         if not m:
@@ -206,7 +217,31 @@ def describe_adapter(adapter_dir: str | Path, cfg: ModelConfig, max_rank: int,
             if module in FUSED:
                 rows[(layer, piece)] = (first, first + n)
             first += n
-    return AdapterFiles(d, spec, f, keys, where, shapes, signature, rows)
+    magnitudes = _magnitudes(mags, parts, dims, f, signature[2], spec.use_dora)
+    magnitudes = {(layer, piece): magnitudes[(layer, module)] for (layer, module) in parts
+                  for piece in FUSED.get(module, (module,)) if (layer, module) in magnitudes}
+    return AdapterFiles(d, spec, f, keys, where, shapes, signature, rows, magnitudes)
+
+
+def _magnitudes(mags: dict, parts: dict, dims: dict, f: Path, file_size: int, use_dora: bool) -> dict:
+    """DoRA: every adapted module has a float magnitude vector [out] and nothing else has one ->
+    (layer, module) -> its name. Without use_dora there is none (a magnitude key then fails _KEY)."""
+    if not use_dora:
+        return {}
+    missing = sorted(set(parts) - set(mags))
+    if missing:
+        raise ValueError(f"adapter: use_dora is set but {module_path(*missing[0])} has no lora_magnitude_vector "
+                         f"({len(missing)} such modules)")
+    extra = sorted(set(mags) - set(parts))
+    if extra:
+        raise ValueError(f"adapter: {module_path(*extra[0])} has a lora_magnitude_vector but no lora_A / lora_B")
+    for (layer, module), (key, info) in mags.items():
+        n_out = dims[module][1]
+        if tuple(info.get("shape", ())) != (n_out,) or info.get("dtype") not in _FLOAT_DTYPES:
+            raise ValueError(f"adapter: {module_path(layer, module)}.lora_magnitude_vector is {info.get('dtype')} "
+                             f"{tuple(info.get('shape', ()))}; DoRA needs floating point ({n_out},)")
+        _check_extent(f, key, info, file_size)
+    return {k: key for k, (key, _) in mags.items()}
 
 
 def _expert_parts(nested: dict, spec: LoraSpec, cfg: ModelConfig) -> dict[tuple[int, str], dict]:

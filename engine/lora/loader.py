@@ -2,7 +2,8 @@
 
 One job per load, on a small bounded thread pool (`LoraConfig.loader_threads`, 1 by default): read the
 weights (memory-mapped), convert them to the model dtype while packing them into their page-sized rows,
-refuse NaN and infinite values, and on the host write the rows into the adapter's pages of the pool. On a
+refuse NaN and infinite values, compute a DoRA adapter's row scales from the base weights (engine/lora/dora.py),
+and on the host write the rows into the adapter's pages of the pool. On a
 GPU the packed rows are pinned and the job ends there: the engine thread only enqueues their copy on the
 side stream (engine/lora/page_copier.py), which costs microseconds. A load from the host tier is the
 page write alone. The step thread sees a job only through its future: done (the pages are ready, or the
@@ -35,6 +36,7 @@ from typing import NamedTuple
 
 import torch
 
+from engine.lora import dora
 from engine.lora.host_adapter import AdapterFiles, check_finite, files_signature, read_weights
 from engine.lora.int8_pages import Int8Pages
 from engine.lora.peft_config import module_path
@@ -149,11 +151,14 @@ class CopyYielded(Exception):
 
 class AdapterLoader:
     def __init__(self, storage: torch.Tensor, dtype: torch.dtype, packer: LoraPacker, on_gpu: bool, threads: int = 1,
-                 host_int8: bool = False):
+                 host_int8: bool = False, dora_scales=None):
         """packer: the backend's page layout; on_gpu: the pool is on a GPU (PageCopier.cuda): jobs pack
         pinned rows and leave the copy; host_int8: host copies are Int8Pages (quantized and dequantized
-        here, on the loader's threads)."""
+        here, on the loader's threads); dora_scales(files, pace): a DoRA adapter's vectors of g - 1
+        (engine/lora/dora.py: scales, over the base model's weights), None where no base model is at hand."""
         self.host_int8 = host_int8
+        self.dora_scales = dora_scales
+        self._stream = torch.cuda.Stream() if on_gpu and torch.cuda.is_available() else None
         self.storage = storage                  # [num_pages, page_elems], the pool
         self.page_elems = storage.shape[1]
         self.dtype = dtype
@@ -196,6 +201,7 @@ class AdapterLoader:
         self.hold.wait()
         if packed is None and not self.cuda and packs_in_place(files, self.dtype, self.packer):
             pack_in_place(files, layout, self.storage, pages, self.dtype, self.packer, pace=self._pace)
+            self._write_dora(files, layout, self.storage, pages)
             return Loaded(None, None)
         host = packed
         if isinstance(packed, Int8Pages):
@@ -203,10 +209,23 @@ class AdapterLoader:
         if packed is None:
             packed = read_packed(files, layout, self.page_elems, self.dtype, self.packer, pin=self.cuda,
                                  pace=self._pace)
+            self._write_dora(files, layout, packed, range(packed.shape[0]))
             host = Int8Pages.quantize(packed) if self.host_int8 else packed
         if not self.cuda:
             write_pages(self.storage, pages, packed, pace=self._pace)
         return Loaded(packed, host)
+
+    def _write_dora(self, files: AdapterFiles, layout: PackedLayout, rows: torch.Tensor, pages) -> None:
+        """A DoRA adapter's vectors of g - 1 into its pages (`rows`' rows `pages`), computed here, once a load
+        from its file (a host copy holds them already); on a GPU on the loader's own stream."""
+        if not layout.dora:
+            return
+        if self.dora_scales is None:
+            raise ValueError(f"adapter: {files.path} is a DoRA adapter; this engine has no base model weights "
+                             f"to compute its magnitudes' scales from")
+        with torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext():
+            values = self.dora_scales(files, self._pace)
+        dora.write(layout, values, rows, list(pages))
 
     def copy_out(self, pages: list[int], stop: threading.Event) -> Future:
         """Start copying these pages of the pool (host memory) into a new host buffer: -> a future of it,

@@ -49,6 +49,7 @@ class LoraSpec:
     target_modules: tuple[str, ...] | None
     layers: tuple[int, ...] | None
     target_parameters: tuple[str, ...] = ()     # EXPERT_PARAMETERS it adapts (a mixture-of-experts model's)
+    use_dora: bool = False                      # DoRA (engine/lora/dora.py): a magnitude per output row
 
     def expected_modules(self, num_layers: int, modules: tuple[str, ...] = MODULES) -> list[tuple[int, str]]:
         """(layer, module) pairs the config promises weights for (empty when it names them by regex);
@@ -88,8 +89,6 @@ def read_spec(adapter_dir: str | Path) -> LoraSpec:
     peft_type = str(cfg.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise ValueError(f"adapter: peft_type {peft_type!r} is not supported (only LORA)")
-    if cfg.get("use_dora"):
-        raise ValueError("adapter: use_dora (DoRA) is not supported")
     if cfg.get("modules_to_save"):
         raise ValueError(f"adapter: modules_to_save {cfg['modules_to_save']} is not supported")
     if cfg.get("bias", "none") != "none":
@@ -98,6 +97,11 @@ def read_spec(adapter_dir: str | Path) -> LoraSpec:
         if cfg.get(key):
             raise ValueError(f"adapter: {key} is not supported")
     params = _target_parameters(cfg)
+    use_dora = cfg.get("use_dora", False)
+    if not isinstance(use_dora, bool):
+        raise ValueError(f"adapter: use_dora must be true or false, got {use_dora!r}")
+    if use_dora and params:
+        raise ValueError("adapter: use_dora (DoRA) together with target_parameters (experts) is not supported")
     targets = cfg.get("target_modules")
     if isinstance(targets, list):
         known = (*MODULES, *FUSED)
@@ -118,7 +122,7 @@ def read_spec(adapter_dir: str | Path) -> LoraSpec:
                     rank_pattern=dict(cfg.get("rank_pattern") or {}),
                     alpha_pattern={k: float(v) for k, v in (cfg.get("alpha_pattern") or {}).items()},
                     base_model=cfg.get("base_model_name_or_path"), target_modules=targets, layers=layers,
-                    target_parameters=params)
+                    target_parameters=params, use_dora=use_dora)
 
 
 def _target_parameters(cfg: dict) -> tuple[str, ...]:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
+from engine.model.dora_scales import DoraScales
 from engine.model.expert_lora import ExpertLora
 from engine.model.moe import moe_mlp
 from engine.model.rope import Rope
@@ -18,9 +19,11 @@ from kernels.attention_metadata import AttentionMetadata
 from kernels.backend import Backend, FusedDecoder, LinearOp, LoraStep
 
 
-def project(linear: LinearOp, layer: int, group: str, x: torch.Tensor, lora: LoraStep | None) -> torch.Tensor:
-    """linear(x) plus the adapters' deltas of that group."""
-    return linear(x) if lora is None else lora.project(linear, layer, group, x)
+def project(linear: LinearOp, layer: int, group: str, x: torch.Tensor, lora: LoraStep | None,
+            dora: DoraScales | None = None) -> torch.Tensor:
+    """linear(x) plus the adapters' deltas of that group, DoRA rows rescaled (engine/model/dora_scales.py)."""
+    y = linear(x) if lora is None else lora.project(linear, layer, group, x)
+    return y if dora is None else dora.apply(layer, group, y)
 
 
 class LlamaModel:
@@ -61,7 +64,7 @@ class LlamaModel:
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], logits_indices: torch.Tensor,
                 lora: LoraStep | None = None, hidden_indices: torch.Tensor | None = None,
-                experts: ExpertLora | None = None):
+                experts: ExpertLora | None = None, dora: DoraScales | None = None):
         """input_ids, positions: [T]; logits_indices: [S] rows to project -> logits [S, vocab] in the model
         dtype (the sampler converts what it needs to fp32: a bf16 greedy step never does).
         With hidden_indices [P]: -> (logits, those rows' final normed hidden states [P, H]) for the caller
@@ -74,9 +77,9 @@ class LlamaModel:
         tables, local = self.tables(positions)                       # [T, head_dim] each
         decoder = self.decoder(kv_caches)
         if decoder is not None and experts is None and decoder.accepts(meta, lora):
-            x += decoder.run(x, *tables, meta, lora, local)   # _layers' loop in one call: the same bits
+            x += decoder.run(x, *tables, meta, lora, local, dora)   # _layers' loop in one call: the same bits
         else:
-            self._layers(x, tables, local, meta, kv_caches, lora, experts)
+            self._layers(x, tables, local, meta, kv_caches, lora, experts, dora)
         if hidden_indices is not None:
             hidden = ops.rms_norm(x[hidden_indices], self.w.norm, cfg.rms_norm_eps)
         x = ops.rms_norm(x[logits_indices], self.w.norm, cfg.rms_norm_eps)
@@ -89,7 +92,7 @@ class LlamaModel:
         return logits if not cap else torch.tanh(logits / cap) * cap
 
     def _layers(self, x: torch.Tensor, tables: tuple, local: tuple | None, meta: AttentionMetadata, kv_caches,
-                lora: LoraStep | None, experts: ExpertLora | None = None) -> None:
+                lora: LoraStep | None, experts: ExpertLora | None = None, dora: DoraScales | None = None) -> None:
         """The decoder layers, op by op: x [T, H] (the embeddings) becomes the final residual stream.
         tables: (cos, sin) [T, head_dim]; local: the sliding layers' own, or None."""
         cfg, ops, layers = self.cfg, self.backend, self.w.layers
@@ -97,7 +100,7 @@ class LlamaModel:
         h = ops.rms_norm(x, layers[0].input_norm, cfg.rms_norm_eps)
         for i, layer in enumerate(layers):
             cos, sin = local if local is not None and cfg.window(i) else tables
-            qkv = project(layer.qkv, i, "qkv", h, lora)           # [T, q + 2kv]
+            qkv = project(layer.qkv, i, "qkv", h, lora, dora)           # [T, q + 2kv]
             if layer.qkv_bias is not None:
                 qkv = ops.add_bias(qkv, layer.qkv_bias)
             q_k = qkv[:, : cfg.q_size + cfg.kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
@@ -109,15 +112,15 @@ class LlamaModel:
             k_cache, v_cache = kv_caches[i]
             ops.write_kv(k_cache, v_cache, k, v, meta)
             attn = ops.attention(q, k_cache, v_cache, meta, self.scale, cfg.window(i), cfg.attn_softcap)
-            o = project(layer.o, i, "o", attn.flatten(1), lora)      # [T, H]
+            o = project(layer.o, i, "o", attn.flatten(1), lora, dora)      # [T, H]
             if layer.attn_out_norm is not None:                      # sandwich norms (Gemma)
                 o = ops.rms_norm(o, layer.attn_out_norm, cfg.rms_norm_eps)
             h = ops.add_rms_norm(x, o, layer.post_norm, cfg.rms_norm_eps)         # x += o
             if layer.moe is not None:                                # the experts, with their LoRA if any
                 down = moe_mlp(ops, h, layer.moe, cfg.moe, i, experts)
             else:
-                gate_up = project(layer.gate_up, i, "gate_up", h, lora)  # [T, 2I]
-                down = project(layer.down, i, "down", act(gate_up), lora)   # act: [T, I]
+                gate_up = project(layer.gate_up, i, "gate_up", h, lora, dora)  # [T, 2I]
+                down = project(layer.down, i, "down", act(gate_up), lora, dora)   # act: [T, I]
             if layer.mlp_out_norm is not None:
                 down = ops.rms_norm(down, layer.mlp_out_norm, cfg.rms_norm_eps)
             if i + 1 < len(layers):

@@ -93,6 +93,9 @@ class CpuBackend(TorchBackend):
     def gelu_tanh_mul(self, gate_up):
         return elementwise.gelu_tanh_mul(gate_up) if self.fused_ops else super().gelu_tanh_mul(gate_up)
 
+    def dora_scale(self, y, storage, offs):
+        return elementwise.dora_scale_(y, storage, offs) if self.fused_ops else super().dora_scale(y, storage, offs)
+
     def rope(self, x, cos, sin):
         # in place: x is a view of this step's fused qkv
         return elementwise.rope_(x, cos, sin) if self.fused_ops else super().rope(x, cos, sin)

@@ -24,6 +24,7 @@ LIBRARIES: dict[str, dict[str, tuple]] = {
         "silu_mul_bf16": (VOID, _SILU), "silu_mul_f32": (VOID, _SILU),
         "gelu_tanh_mul_bf16": (VOID, _SILU), "gelu_tanh_mul_f32": (VOID, _SILU),
         "rope_bf16": (VOID, _ROPE), "rope_f32": (VOID, _ROPE),
+        "dora_scale_bf16": (VOID, [P, I64, P, P, I64, I]), "dora_scale_f32": (VOID, [P, I64, P, P, I64, I]),
         "write_kv": (VOID, [P, I64, P, I64, P, P, I64, P, P, I64, I64]),
         "argmax_bf16": (VOID, [P, I64, I64, I64, P]),
     },

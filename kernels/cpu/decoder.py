@@ -47,7 +47,8 @@ class _Args(ctypes.Structure):
                 + [("vp_stride", ctypes.c_int64)]
                 + [(n, ctypes.c_void_p) for n in ("seg_tok", "seg_start", "seg_slot", "seg_rank")]
                 + [("n_seg", ctypes.c_int), ("local_cos", ctypes.c_void_p), ("local_sin", ctypes.c_void_p),
-                   ("softcap", ctypes.c_float), ("gelu", ctypes.c_int)])
+                   ("softcap", ctypes.c_float), ("gelu", ctypes.c_int), ("dora_base", ctypes.c_void_p),
+                   ("dora", ctypes.c_void_p)])
 
 
 @dataclass
@@ -145,13 +146,23 @@ class Decoder:
         """Every step whose adapters (a LoraBatch) the C kernels cover (for_decoder)."""
         return lora is None or lora.for_decoder() is not None
 
+    def _set_dora(self, args: _Args, dora) -> list:
+        """Fill args' DoRA fields from the step's DoraRows (kernels/backend.py); returns what must stay alive."""
+        assert dora.storage.dtype == torch.bfloat16 and dora.offs.dtype == torch.int64 and dora.offs.is_contiguous()
+        rows = (ctypes.c_void_p * (self.num_layers * len(GROUPS)))()
+        for (layer, group), i in dora.index.items():
+            rows[layer * len(GROUPS) + GROUPS.index(group)] = dora.offs[i].data_ptr()
+        args.dora_base, args.dora = dora.storage.data_ptr(), ctypes.addressof(rows)
+        return [rows, dora.offs]
+
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta, lora=None,
-            local: tuple | None = None) -> torch.Tensor:
+            local: tuple | None = None, dora=None) -> torch.Tensor:
         """x: [T, H] bf16 contiguous (the embeddings), updated in place to the residual stream after the last
         layer's attention and MLP but before its residual add, which is returned ([T, H]: the caller adds it,
         as the layer loop does). cos, sin: [T, d]; meta: the step's AttentionMetadata (the paired layout:
         every token a row of decode_block_tables / decode_lens). lora: the step's LoraBatch (None: none),
-        which accepts() took. local: the sliding layers' own (cos, sin) [T, d], or None."""
+        which accepts() took. local: the sliding layers' own (cos, sin) [T, d], or None. dora: the step's
+        DoraRows (kernels/backend.py), or None: no DoRA row."""
         lora = lora.for_decoder() if lora is not None else None
         cfg = self.cfg
         t, hdim = x.shape
@@ -175,6 +186,7 @@ class Decoder:
                      cos.data_ptr(), sin.data_ptr(), pages.data_ptr(), offs.data_ptr(), tables.data_ptr(),
                      lens.data_ptr())
         keep = self._set_lora(args, lora, t) if lora is not None else None   # noqa: F841 (alive until the call returns)
+        kept = self._set_dora(args, dora) if dora is not None else None   # noqa: F841 (as keep)
         if local is not None:
             args.local_cos, args.local_sin = local[0].data_ptr(), local[1].data_ptr()
         args.softcap, args.gelu = cfg.attn_softcap, int(cfg.activation == "gelu_tanh")

@@ -1,6 +1,5 @@
 """ctypes binding of the fused elementwise ops (elementwise.c): rms_norm, add_rms_norm, silu_mul,
-gelu_tanh_mul, rope_,
-write_kv, and argmax over bf16 rows.
+gelu_tanh_mul, rope_, dora_scale_, write_kv, and argmax over bf16 rows.
 
 Each equals the torch expression named in its docstring, rounding included. Requires supports(dtype).
 """
@@ -18,7 +17,7 @@ def _fns():
     global _FNS
     if _FNS is False:
         _FNS = {}
-        for op in ("rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "rope"):
+        for op in ("rms_norm", "add_rms_norm", "silu_mul", "gelu_tanh_mul", "rope", "dora_scale"):
             fns = load_functions("elementwise", {dt: f"{op}_{sfx}" for dt, sfx in _SUFFIX.items()})
             if fns is None:
                 _FNS = None
@@ -114,3 +113,14 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _fns()["argmax"](x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
     return out
+
+
+def dora_scale_(y: torch.Tensor, storage: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """In place y[t] = addcmul(y[t], y[t], d_t) for each row t with offs[t] >= 0, d_t =
+    storage.view(-1)[offs[t]:offs[t] + N] (Backend.dora_scale) -> y. y: [T, N]; offs: [T] int64."""
+    _rows(y)
+    assert storage.dtype == y.dtype and storage.is_contiguous() and offs.dtype == torch.int64 and offs.is_contiguous()
+    assert offs.shape == (y.shape[0],)
+    _fns()[("dora_scale", y.dtype)](y.data_ptr(), y.stride(0), storage.data_ptr(), offs.data_ptr(), y.shape[0],
+                                    y.shape[1])
+    return y

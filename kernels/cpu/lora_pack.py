@@ -17,12 +17,8 @@ import torch
 
 from kernels.cpu import lora as c_lora
 from kernels.cpu.build import load_functions
-from kernels.lora_layout import GroupBlock, ModuleSlice, PackedLayout, Shapes, is_expert
+from kernels.lora_layout import GROUP_MODULES, GROUP_OF, GroupBlock, ModuleSlice, PackedLayout, Shapes, is_expert
 
-# fused group -> its projections in output order (decoder.c's and the GEMMs' order)
-GROUP_MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
-                 "down": ("down_proj",)}
-GROUP_OF = {m: (g, i) for g, mods in GROUP_MODULES.items() for i, m in enumerate(mods)}
 ALIGN = 32   # elements: 64 bytes in bf16
 SRC_DTYPES = {"F32": 0, "BF16": 1, "F16": 2}     # file dtypes lora_pack.c reads
 CHUNK = 1 << 17                                  # elements pack_file writes between two pace() calls

@@ -17,8 +17,7 @@ import torch
 
 from kernels.backend import InPlaceSlots
 from kernels.cpu import lora as c_lora
-from kernels.cpu.lora_pack import GROUP_MODULES
-from kernels.lora_layout import PackedLayout, kernel_modules
+from kernels.lora_layout import GROUP_MODULES, PackedLayout, kernel_modules
 
 GROUPS = tuple(GROUP_MODULES)          # qkv, o, gate_up, down: the column of a group in the address tables
 

@@ -26,7 +26,8 @@ class TritonBackend(TorchBackend):
         if not self.runs_on(self.device):
             raise ValueError(f"backend 'triton': needs a CUDA device, or TRITON_INTERPRET=1 on {self.device}")
         # NOTE: these import triton, which reads TRITON_INTERPRET once, when first imported
-        from kernels.triton import paged_attention, paged_lora
+        from kernels.triton import dora_ops, paged_attention, paged_lora
+        self._dora_scale = dora_ops.dora_scale_
         self._paged_attention = paged_attention.paged_attention
         self._tile_rows = paged_attention.tile_rows(shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.dtype)
         self._paged_lora = paged_lora
@@ -51,6 +52,9 @@ class TritonBackend(TorchBackend):
         assert not meta.prefills and meta.num_decode == q.shape[0], "every token is a row here"
         return self._paged_attention(q, k_cache, v_cache, meta.seq_block_tables, meta.query_tiles,
                                      meta.max_tile_rows, scale, meta.max_context, window=window, softcap=softcap)
+
+    def dora_scale(self, y, storage, offs):
+        return self._dora_scale(y, storage, offs)
 
     def lora_slots(self, num_slots: int, max_rank: int, shape: ModelShape, storage: torch.Tensor):
         return self._paged_lora.PagedAdapters(shape, storage)

@@ -16,13 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from kernels.backend import InPlaceSlots
-from kernels.lora_layout import PackedLayout, kernel_modules
+from kernels.lora_layout import GROUP_MODULES, PackedLayout, kernel_modules
 from kernels.transfer import to_device
 from kernels.triton import lora_ops
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-GROUP_MODULES = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
-                 "down": ("down_proj",)}
 
 
 @dataclass

@@ -295,6 +295,41 @@ def test_load_use_unload_adapter_over_http(server, client, served_adapters):
         assert r.status_code == 400 and "--lora-roots" in r.json()["error"]["message"], r.text
 
 
+def test_a_dora_adapter_over_http(server, client, served_adapters, hf_model):
+    """A DoRA adapter made by PEFT, loaded through the load route and asked through the openai client (plain,
+    streamed, chat) in batches with other adapters' requests; the same A and B without magnitudes (plain
+    LoRA) answer otherwise: the scales are applied."""
+    from tests.peft_adapters import ALL, make_adapters
+    _, src = served_adapters
+    if not (src / "dora-http").is_dir():
+        make_adapters(hf_model, src, {"dora-http": {"r": 8, "lora_alpha": 16, "use_dora": True, "target_modules": ALL}},
+                      seed=21, std=0.3)
+    plain = src / "dora-http-as-lora"
+    if not plain.is_dir():
+        from safetensors.torch import load_file, save_file
+        plain.mkdir()
+        cfg = json.loads((src / "dora-http" / "adapter_config.json").read_text())
+        (plain / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": False}))
+        w = load_file(src / "dora-http" / "adapter_model.safetensors")
+        save_file({k: v for k, v in w.items() if "magnitude" not in k}, plain / "adapter_model.safetensors")
+    for name, path in (("dora-http", src / "dora-http"), ("dora-http-as-lora", plain)):
+        r = requests.post(server.url + "/v1/load_lora_adapter", headers=AUTH, json={"lora_name": name,
+                                                                                     "lora_path": str(path)})
+        assert r.status_code == 200, r.text
+    kw = dict(prompt="The weather today is", max_tokens=12, temperature=0)
+    with ThreadPoolExecutor(3) as pool:
+        jobs = [pool.submit(client.completions.create, model=m, **kw) for m in ("dora-http", "r8-all", BASE)]
+        dora = jobs[0].result().choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(model="dora-http", stream=True, **kw))
+    assert dora and streamed == dora
+    assert client.completions.create(model="dora-http-as-lora", **kw).choices[0].text != dora
+    chat = client.chat.completions.create(model="dora-http", messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, temperature=0)
+    assert chat.choices[0].message.content
+    for name in ("dora-http", "dora-http-as-lora"):
+        requests.post(server.url + "/v1/unload_lora_adapter", headers=AUTH, json={"lora_name": name})
+
+
 def test_models_show_each_adapters_content_digest(server, client, served_adapters):
     """A second name for a content already served (r8-all) shares its digest; a name listed in --adapter-dir
     and never read has none yet."""

@@ -55,6 +55,24 @@ def test_silu_mul(name, dtype):
     close(backend(name, dtype).silu_mul(gu), backend("torch", dtype).silu_mul(gu), dtype)
 
 
+@pytest.mark.parametrize("name", overriding("dora_scale"))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dora_scale(name, dtype):
+    """Rows with an offset get y + y * d (their own d, from anywhere in the pool); rows with -1 keep their bits."""
+    storage = randn(6, 512, dtype=dtype, seed=4, scale=0.2)
+    y = randn(9, 96, dtype=dtype, seed=5)
+    offs = torch.tensor([-1, 0, 700, -1, 700, 2048, 2976, -1, 96], dtype=torch.int64, device=DEVICE)
+    got, want = backend(name, dtype).dora_scale(y.clone(), storage, offs), backend("torch", dtype).dora_scale(
+        y.clone(), storage, offs)
+    close(got, want, dtype)
+    flat = storage.view(-1)
+    for t in range(9):
+        o = int(offs[t])
+        expect = y[t] if o < 0 else torch.addcmul(y[t], y[t], flat[o:o + 96])
+        assert torch.equal(got[t], expect) or o >= 0, "a row without an adapter is left alone"
+        close(got[t], expect, dtype)
+
+
 @pytest.mark.parametrize("name", overriding("rope"))
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope(name, dtype):

@@ -19,7 +19,8 @@
  *
  * With `lora`, each projection group that has one computes the multi-LoRA of the rows with a slot inside
  * the GEMM, as gemm_lora_bf16 does (decode tokens), then adds the segments' deltas, as lora_segments_bf16
- * does (prefill tokens grouped by adapter): the order of the op-by-op path (LlamaModel._layers).
+ * does (prefill tokens grouped by adapter): the order of the op-by-op path (LlamaModel._layers). With `dora`,
+ * a group's rows of DoRA adapters are then scaled by 1 + d, as dora_scale_bf16 does (before any bias).
  */
 #include "loraplex_kernels.h"
 #include "gemm_avx512bf16.c"
@@ -66,7 +67,9 @@ typedef struct decoder_args {
     const uint16_t *local_cos, *local_sin;      /* [T, d] the sliding layers' own RoPE tables, or NULL */
     float softcap;                              /* attention scores' soft-cap (Gemma 2); 0: none */
     int gelu;                                   /* 1: GeGLU (gelu_tanh(gate) * up); 0: SwiGLU */
-} decoder_args;
+    const uint16_t *dora_base;                  /* the pool's storage: DoRA adapters' vectors of g - 1 */
+    const int64_t *const *dora;                 /* [num_layers][NGROUPS] each row's offset of its vector in */
+} decoder_args;                                 /* dora_base ([T], -1: none), or NULL: no DoRA row; or NULL */
 
 /* What one thread needs besides the arguments: the rows with an adapter, its prefetch walker. */
 typedef struct {
@@ -94,6 +97,8 @@ static void project(const decoder_args *a, const step_state *st, int l, int g, c
     if (lo && lo->a && st->tasks > 0)
         segments_for(x, K, y, N, a->seg_tok, a->seg_start, a->seg_slot, a->seg_rank, lo->a, lo->G,
                      K, lo->b, lo->out, st->tasks, st->task_seg);
+    const int64_t *dora = a->dora ? a->dora[(int64_t)l * NGROUPS + g] : 0;
+    if (dora) dora_scale_for_bf16(y, N, a->dora_base, dora, a->T, N);   /* DoRA rows: y (1 + d), before a bias */
 }
 
 /* One layer, run by every thread of the region; returns this thread's attention status (0 or -2). */

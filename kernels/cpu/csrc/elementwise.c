@@ -8,6 +8,8 @@
  *            (bf16 on AVX512-BF16: 16 at a time, with a polynomial e^x)
  * gelu_tanh_mul: out[t, i] = gelu_tanh(gu[t, i]) * gu[t, I + i]          (Gemma's GeGLU; scalar tanhf)
  * rope:      x[t, h] <- x * cos[t] + rotate_half(x) * sin[t] in place     x: [T, heads, d]; cos, sin: [T, d]
+ * dora_scale: y[t] <- to_dtype(y[t] + y[t] * d_t) in place for each row with offs[t] >= 0, d_t = base + offs[t]
+ *            ([N]): a DoRA adapter's rows of a projection times its row scales 1 + d (as torch's addcmul)
  * write_kv:  the K and V rows ([T, n] at a stride) of token t into page pages[t], row offs[t] of the
  *            caches (a page's block is [block_size, n] at cache + page * page_stride)
  * Parallel over rows with OpenMP. The bf16/f32 ops' bodies (<op>_for_<dtype>) are work-shared loops
@@ -73,6 +75,18 @@ static void add_bias_for_##SUFFIX(T *y, int64_t y_stride, const T *b, int64_t ro
     for (int64_t t = 0; t < rows; t++) {                                                                      \
         T *yt = y + t * y_stride;                                                                             \
         for (int i = 0; i < N; i++) yt[i] = STORE(LOAD(yt[i]) + LOAD(b[i]));                                  \
+    }                                                                                                         \
+}                                                                                                             \
+                                                                                                              \
+/* DoRA: y[t] <- to_dtype(y[t] + y[t] * d_t) for rows with offs[t] >= 0, d_t = base + offs[t] (addcmul) */   \
+static void dora_scale_for_##SUFFIX(T *y, int64_t y_stride, const T *base, const int64_t *offs, int64_t rows,  \
+                                    int N) {                                                                  \
+    _Pragma("omp for schedule(static)")                                                                       \
+    for (int64_t t = 0; t < rows; t++) {                                                                      \
+        if (offs[t] < 0) continue;                                                                            \
+        T *yt = y + t * y_stride;                                                                             \
+        const T *d = base + offs[t];                                                                          \
+        for (int i = 0; i < N; i++) { const float v = LOAD(yt[i]); yt[i] = STORE(v + v * LOAD(d[i])); }     \
     }                                                                                                         \
 }                                                                                                             \
                                                                                                               \
@@ -155,6 +169,10 @@ void gelu_tanh_mul_##SUFFIX(const T *gu, int64_t gu_stride, T *out, int64_t out_
 }                                                                                                             \
 void rope_##SUFFIX(T *x, int64_t row_stride, int64_t rows, int heads, int d, const T *cos, const T *sin) {   \
     _Pragma("omp parallel") rope_for_##SUFFIX(x, row_stride, rows, heads, d, cos, sin);                       \
+}                                                                                                             \
+void dora_scale_##SUFFIX(T *y, int64_t y_stride, const T *base, const int64_t *offs, int64_t rows, int N) {   \
+    _Pragma("omp parallel if (rows * (int64_t)N > 65536)")                                                    \
+    dora_scale_for_##SUFFIX(y, y_stride, base, offs, rows, N);                                                \
 }
 
 void write_kv(const char *k, int64_t k_stride, const char *v, int64_t v_stride, char *k_cache, char *v_cache,

@@ -31,6 +31,8 @@ void gelu_tanh_mul_f32(const float *gu, int64_t gu_stride, float *out, int64_t o
 void rope_bf16(uint16_t *x, int64_t row_stride, int64_t rows, int heads, int d, const uint16_t *cos,
                const uint16_t *sin);
 void rope_f32(float *x, int64_t row_stride, int64_t rows, int heads, int d, const float *cos, const float *sin);
+void dora_scale_bf16(uint16_t *y, int64_t y_stride, const uint16_t *base, const int64_t *offs, int64_t rows, int N);
+void dora_scale_f32(float *y, int64_t y_stride, const float *base, const int64_t *offs, int64_t rows, int N);
 void write_kv(const char *k, int64_t k_stride, const char *v, int64_t v_stride, char *k_cache, char *v_cache,
               int64_t page_stride, const int64_t *pages, const int64_t *offs, int64_t rows, int64_t row_bytes);
 void argmax_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t n, int64_t *out);

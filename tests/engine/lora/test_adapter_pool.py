@@ -258,7 +258,7 @@ def test_a_load_packs_straight_into_its_pages_and_the_host_copy_follows(tmp_path
     want = m.storage[a.pages].clone()
     staged = read_packed(a.files, a.layout, PAGE, torch.float32, m.packer).flatten()   # zeroed, then packed
     got = want.flatten()
-    from kernels.cpu.lora_pack import GROUP_MODULES, GROUP_OF
+    from kernels.lora_layout import GROUP_MODULES, GROUP_OF
     for (layer, mod), s in a.layout.modules.items():   # every element the kernels read (bytes between blocks
         g, i = GROUP_OF[mod]                            # are never read: stale there is fine)
         blk = a.layout.blocks[(layer, g)]

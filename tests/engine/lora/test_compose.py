@@ -46,10 +46,11 @@ def tiny(tmp_path_factory, model_dir):
     return d, oracle
 
 
-def engine(d, backend: str = "torch", **kw) -> LLM:
+def engine(d, backend: str = "torch", names=SPECS, **kw) -> LLM:
+    """A float32 engine on the tiny model of d / "model" with these adapters of d / "adapters" registered."""
     llm = LLM(model=str(d / "model"), dtype="float32", backend=backend, device=str(DEVICE), max_num_batched_tokens=32,
               kv_cache_memory_bytes=1 << 22, block_size=32 if backend == "cpu" else 16, **kw)
-    for name in SPECS:
+    for name in names:
         llm.register_adapter(name, str(d / "adapters" / name))
     return llm
 

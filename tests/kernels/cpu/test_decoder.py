@@ -74,6 +74,26 @@ def test_same_bits_with_adapters(llm, adapter_dir, calls):
     assert calls["runs"] == runs and calls["loops"] > 0
 
 
+def test_same_bits_with_dora_adapters(llm, adapter_dir, calls, tmp_path):
+    """DoRA rows (engine/model/dora_scales.py) inside the C decoder: each group's rows of a DoRA adapter
+    scaled after its LoRA deltas, the op-by-op bits, with LoRA and base-model rows in the batch."""
+    from bench.bench_dora import as_dora
+    d, _ = adapter_dir
+    for name in ("r8-all", "r16-rslora", "r8-pattern"):
+        if name not in llm.engine.adapters.names():
+            llm.register_adapter(name, str(d / name))
+        llm.register_adapter(f"dora-{name}", str(as_dora(d / name, tmp_path / name, llm, seed=len(name))))
+    adapters = ["dora-r8-all", None, "r8-all", "dora-r16-rslora", "dora-r8-pattern", "dora-r8-all", "r16-rslora",
+                None, "dora-r16-rslora", "r8-pattern"]
+    fused = _generate(llm, True, adapter=adapters)
+    runs = calls["runs"]
+    assert runs > 0 and calls["loops"] == 0
+    assert _generate(llm, False, adapter=adapters) == fused
+    assert calls["runs"] == runs and calls["loops"] > 0
+    plain = _generate(llm, True, adapter=[a.removeprefix("dora-") if a else a for a in adapters])
+    assert [p[0] for p in plain] != [f[0] for f in fused], "the DoRA scales were applied"
+
+
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_same_bits_with_each_familys_switches(family, tmp_path_factory, model_dir, calls):
     """q/k/v biases (Qwen2), q/k norms (Qwen3) and sliding windows of 12 tokens (all three, on some layers)

@@ -9,8 +9,9 @@ import torch
 from kernels.cpu import lora as c_lora
 from kernels.cpu import lora_batch as cpu_lora
 from kernels.cpu.lora_batch import LoraBatch
-from kernels.cpu.lora_pack import GROUP_MODULES, GroupPacker
+from kernels.cpu.lora_pack import GroupPacker
 from kernels.cpu.paged_adapters import CpuPagedAdapters
+from kernels.lora_layout import GROUP_MODULES
 from tests.engine.lora.synthetic import SHAPES, TINY
 
 PAGE = 4096
