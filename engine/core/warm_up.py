@@ -1,8 +1,9 @@
 """Run every kind of step once before a server says it is ready, so that on a GPU each Triton kernel a step
 launches is compiled then, not in the middle of serving (Triton compiles a kernel on its first launch):
 a prefill chunk and decode steps of the base model and of a throwaway adapter on every projection, in one
-batch. Leaves no request, adapter or KV page in use behind (the prompt's blocks may stay in the prefix
-cache under their own salt, as any finished request's do)."""
+batch, then DoRA's row scales for each projection group's width. Leaves no request, adapter or KV page in
+use behind (the prompt's blocks may stay in the prefix cache under their own salt, as any finished
+request's do)."""
 from __future__ import annotations
 
 import json
@@ -12,10 +13,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from engine.lora import dora
 from engine.lora.host_adapter import module_shape
 from engine.lora.peft_config import model_modules, module_path
 from ipc.requests import GenerateRequest
 from ipc.sampling_params import SamplingParams
+from kernels.lora_layout import GROUP_MODULES
 
 NAME = "loraplex-warm-up"
 SALT = "loraplex-warm-up"
@@ -43,6 +46,18 @@ def warm_up(core) -> None:
             if adapter:
                 core.unregister_adapter(NAME)
             core.settle()
+    if core.adapters is not None:
+        warm_dora(core)
+
+
+def warm_dora(core) -> None:
+    """DoRA's row scales (Backend.dora_scale) once for each projection group's width, on one row that no
+    adapter scales (offset -1): its kernel compiled, nothing touched. (A DoRA warm-up adapter would need
+    magnitudes that no zero row of W makes infinite.)"""
+    storage = core.runner.storage
+    none = torch.full((1,), -1, dtype=torch.int64, device=storage.device)
+    for n in sorted({dora.group_size(core.cfg.model, g) for g in GROUP_MODULES}):
+        core.runner.backend.dora_scale(torch.zeros(1, n, dtype=storage.dtype, device=storage.device), storage, none)
 
 
 def write_adapter(d: Path, model, rank: int) -> None:
