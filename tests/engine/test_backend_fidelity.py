@@ -1,5 +1,5 @@
-"""The whole engine on every backend that runs here: a tiny random Llama (2 layers) with four PEFT adapters
-of mixed ranks, targets, rsLoRA and rank_pattern, in one batch with base requests; greedy float32 tokens
+"""The whole engine on every backend that runs here: a tiny random Llama (2 layers) with five PEFT adapters
+of mixed ranks, targets, rsLoRA, rank_pattern and DoRA, in one batch with base requests; greedy float32 tokens
 equal to transformers + PEFT's."""
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ TINY_ADAPTERS = {
     "t-r16-rslora": dict(r=16, lora_alpha=8, use_rslora=True, target_modules=["o_proj", "down_proj", "k_proj"]),
     "t-r5-pattern": dict(r=5, lora_alpha=10, target_modules=["q_proj", "up_proj", "gate_proj"],
                          rank_pattern={"up_proj": 12}, alpha_pattern={"gate_proj": 3}),
+    "t-r6-dora": dict(r=6, lora_alpha=12, use_dora=True, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]),
 }
 PROMPTS = [[1, 4093, 314, 253, 1345, 282, 2716, 30], list(range(300, 341)), [5, 6, 7], list(range(900, 917))]
 
