@@ -125,9 +125,9 @@ def record_step(shape: Shape, dtype: torch.dtype, max_rank: int) -> set[Launch]:
         for n_in, n_out in ((H, q + 2 * kv), (q, H), (H, 2 * I), (I, H)):       # the fused projections
             x, y = torch.zeros(4, n_in, dtype=dtype), torch.zeros(4, n_out, dtype=dtype)
             v = lora_ops.bgmv_shrink(x, pool, table, off, rank, idx, max_rank, P)
-            lora_ops.bgmv_expand(v, y, pool, table, off, rank, scale, idx, 0, n_out, P)
+            lora_ops.bgmv_expand(v, y, pool, table, off, rank, scale, idx, [0, n_out], P)
             v = lora_ops.sgmv_shrink(x, pool, table, off, rank, seg_start, seg_adapter, max_rank, 3, P)
-            lora_ops.sgmv_expand(v, y, pool, table, off, rank, scale, seg_start, seg_adapter, 0, n_out, 3, P)
+            lora_ops.sgmv_expand(v, y, pool, table, off, rank, scale, seg_start, seg_adapter, [0, n_out], 3, P)
         paged = pool.view(2, shape.layers, 2, shape.block_size, shape.kv_heads, shape.head_dim)
         rows = paged_attention.tile_rows(shape.heads, shape.kv_heads, shape.head_dim, dtype)
         tiles = torch.tensor([[0, 0, rows, 1], [1, rows, 1, 1]], dtype=torch.int32)

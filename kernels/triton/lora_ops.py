@@ -6,9 +6,12 @@ batch owns pages `page_table[i, :]`; its flat element e lives at
 For one (layer, module), adapter i's A [rank[i], in] starts at flat element a_off[i] and its
 B [out, rank[i]] at b_off[i], both row-major (see engine/lora/layout.py). Ranks differ per adapter.
 
-Semantics (adapter index -1 means "no adapter": the token is left alone):
-    shrink:  v[t, :rank[a_t]]  = x[t] @ A(a_t).T                     v: [T, max_rank] float32
-    expand:  y[t, col:col+out] += scale[a_t] * v[t, :rank[a_t]] @ B(a_t).T
+Semantics (adapter index -1 means "no adapter": the token is left alone), for each module g of a fused
+group (G modules sharing the input x: q, k, v; gate, up; or one), in one launch:
+    shrink:  v[t, g, :rank[g, a_t]]  = x[t] @ A_g(a_t).T                  v: [T, G * max_rank] float32
+    expand:  y[t, cols[g]:cols[g+1]] += scale[g, a_t] * v[t, g, :rank[g, a_t]] @ B_g(a_t).T
+a_off, b_off, rank, scale are [G, A] (module g's row: its value for each of the batch's adapters; [A] for
+G = 1); cols the G + 1 column boundaries of the group's modules in y.
 BGMV (`bgmv_*`) takes one adapter index per token (decode). SGMV (`sgmv_*`) takes segments: tokens
 seg_start[s] .. seg_start[s+1]-1 all use adapter seg_adapter[s] (prefill), and uses tl.dot on tiles:
 in full fp32 ("ieee") for a float32 model, where a GPU would otherwise round the operands to TF32, and
@@ -28,11 +31,23 @@ def _paged_masked(pool_ptr, table_ptr, table_stride, adapter, flat, mask, PAGE: 
 
 
 @triton.jit
+def _module_cols(g, c0, c1, c2, c3):
+    """Module g's first column in y and its width, from the group's column boundaries c0 <= c1 <= c2 <= c3."""
+    lo = tl.where(g == 0, c0, tl.where(g == 1, c1, c2))
+    hi = tl.where(g == 0, c1, tl.where(g == 1, c2, c3))
+    return lo, hi - lo
+
+
+@triton.jit
 def _bgmv_shrink_kernel(x_ptr, v_ptr, pool_ptr, table_ptr, table_stride, a_off_ptr, rank_ptr, idx_ptr,
-                        n_in, x_stride, v_stride, PAGE: tl.constexpr, BLOCK_R: tl.constexpr,
+                        n_in, x_stride, v_stride, mod_stride, v_mod, PAGE: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_K: tl.constexpr):
     t = tl.program_id(0)
     r0 = tl.program_id(1) * BLOCK_R                  # this program's rows of A: r0 .. r0 + BLOCK_R - 1
+    g = tl.program_id(2)                             # the group's module
+    a_off_ptr += g * mod_stride
+    rank_ptr += g * mod_stride
+    v_ptr += g * v_mod
     a = tl.load(idx_ptr + t)
     r = tl.load(rank_ptr + tl.maximum(a, 0))
     if (a >= 0) & (r0 < r):
@@ -51,10 +66,16 @@ def _bgmv_shrink_kernel(x_ptr, v_ptr, pool_ptr, table_ptr, table_stride, a_off_p
 
 @triton.jit
 def _bgmv_expand_kernel(v_ptr, y_ptr, pool_ptr, table_ptr, table_stride, b_off_ptr, rank_ptr, scale_ptr,
-                        idx_ptr, n_out, y_col, v_stride, y_stride, PAGE: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
+                        idx_ptr, c0, c1, c2, c3, v_stride, y_stride, mod_stride, v_mod, PAGE: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
     t = tl.program_id(0)
     nb = tl.program_id(1)
+    g = tl.program_id(2)                             # the group's module: y columns [y_col, y_col + n_out)
+    y_col, n_out = _module_cols(g, c0, c1, c2, c3)
+    b_off_ptr += g * mod_stride
+    rank_ptr += g * mod_stride
+    scale_ptr += g * mod_stride
+    v_ptr += g * v_mod
     a = tl.load(idx_ptr + t)
     if a >= 0:
         r = tl.load(rank_ptr + a)
@@ -74,10 +95,14 @@ def _bgmv_expand_kernel(v_ptr, y_ptr, pool_ptr, table_ptr, table_stride, b_off_p
 
 @triton.jit
 def _sgmv_shrink_kernel(x_ptr, v_ptr, pool_ptr, table_ptr, table_stride, a_off_ptr, rank_ptr, seg_start_ptr,
-                        seg_adapter_ptr, n_in, x_stride, v_stride, PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                        seg_adapter_ptr, n_in, x_stride, v_stride, mod_stride, v_mod, PAGE: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     s = tl.program_id(0)
     mb = tl.program_id(1)
+    g = tl.program_id(2)
+    a_off_ptr += g * mod_stride
+    rank_ptr += g * mod_stride
+    v_ptr += g * v_mod
     a = tl.load(seg_adapter_ptr + s)
     start = tl.load(seg_start_ptr + s)
     end = tl.load(seg_start_ptr + s + 1)
@@ -100,11 +125,18 @@ def _sgmv_shrink_kernel(x_ptr, v_ptr, pool_ptr, table_ptr, table_stride, a_off_p
 
 @triton.jit
 def _sgmv_expand_kernel(v_ptr, y_ptr, pool_ptr, table_ptr, table_stride, b_off_ptr, rank_ptr, scale_ptr,
-                        seg_start_ptr, seg_adapter_ptr, n_out, y_col, v_stride, y_stride, PAGE: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                        seg_start_ptr, seg_adapter_ptr, c0, c1, c2, c3, num_nb, v_stride, y_stride, mod_stride, v_mod,
+                        PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                        PRECISION: tl.constexpr):
     s = tl.program_id(0)
     mb = tl.program_id(1)
-    nb = tl.program_id(2)
+    g = tl.program_id(2) // num_nb                   # the group's module, and its block of columns
+    nb = tl.program_id(2) % num_nb
+    y_col, n_out = _module_cols(g, c0, c1, c2, c3)
+    b_off_ptr += g * mod_stride
+    rank_ptr += g * mod_stride
+    scale_ptr += g * mod_stride
+    v_ptr += g * v_mod
     a = tl.load(seg_adapter_ptr + s)
     start = tl.load(seg_start_ptr + s)
     end = tl.load(seg_start_ptr + s + 1)
@@ -146,51 +178,88 @@ def _precision(weights: torch.Tensor) -> str:
     return "ieee" if weights.dtype == torch.float32 else "tf32"
 
 
+def _by_module(*tables: torch.Tensor) -> list[torch.Tensor]:
+    """[A] -> [1, A]; [G, A] as is. Every table of one launch has the same shape and strides."""
+    out = [t if t.dim() == 2 else t.unsqueeze(0) for t in tables]
+    assert all(t.shape == out[0].shape and t.stride() == out[0].stride() for t in out), [t.shape for t in out]
+    return out
+
+
+def _boundaries(cols) -> tuple[list[int], int]:
+    """The group's G + 1 column boundaries -> four (the last repeated), and the widest module."""
+    cols = [int(c) for c in cols]
+    assert 2 <= len(cols) <= 4 and cols == sorted(cols), cols
+    return cols + [cols[-1]] * (4 - len(cols)), max(b - a for a, b in zip(cols, cols[1:]))
+
+
+def _v(T: int, width: int, device, zero: bool) -> torch.Tensor:
+    """The shrinks' output. Unzeroed, only what the expands read is written: the rows of tokens with an
+    adapter, each module's columns below the adapter's rank (one launch a group fewer on a GPU)."""
+    return (torch.zeros if zero else torch.empty)(T, width, dtype=torch.float32, device=device)
+
+
 def bgmv_shrink(x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor, a_off: torch.Tensor,
-                rank: torch.Tensor, indices: torch.Tensor, max_rank: int, page_elems: int) -> torch.Tensor:
-    """x: [T, in]; indices: [T] adapter per token (-1: none) -> v: [T, max_rank] float32."""
+                rank: torch.Tensor, indices: torch.Tensor, max_rank: int, page_elems: int,
+                zero: bool = True) -> torch.Tensor:
+    """x: [T, in]; a_off, rank: [A] or [G, A]; indices: [T] adapter per token (-1: none) -> v: [T, G * max_rank]
+    float32, module g's in columns g * max_rank ... (zero: the rest of v zeros, else unwritten: see _v)"""
     T, n_in = x.shape
-    v = torch.zeros(T, max_rank, dtype=torch.float32, device=x.device)
-    grid = (T, triton.cdiv(max_rank, SHRINK_ROWS))
+    a_off, rank = _by_module(a_off, rank)
+    G = a_off.shape[0]
+    v = _v(T, G * max_rank, x.device, zero)
+    grid = (T, triton.cdiv(max_rank, SHRINK_ROWS), G)
     _bgmv_shrink_kernel[grid](x, v, pool, page_table, page_table.stride(0), a_off, rank, indices, n_in,
-                              x.stride(0), v.stride(0), PAGE=page_elems, BLOCK_R=SHRINK_ROWS, BLOCK_K=64)
+                              x.stride(0), v.stride(0), a_off.stride(0), max_rank, PAGE=page_elems,
+                              BLOCK_R=SHRINK_ROWS, BLOCK_K=64)
     return v
 
 
 def bgmv_expand(v: torch.Tensor, y: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor,
                 b_off: torch.Tensor, rank: torch.Tensor, scale: torch.Tensor, indices: torch.Tensor,
-                y_col: int, n_out: int, page_elems: int) -> None:
-    """v: [T, max_rank]; y: [T, >= y_col + n_out] updated in place in columns [y_col, y_col + n_out)."""
+                cols, page_elems: int) -> None:
+    """v: [T, G * max_rank] (bgmv_shrink's); b_off, rank, scale: [A] or [G, A]; cols: the G + 1 column
+    boundaries of the modules in y: y [T, >= cols[-1]] updated in place in columns [cols[0], cols[-1])."""
     T = v.shape[0]
-    block_r = _block_r(v.shape[1])
-    grid = (T, triton.cdiv(n_out, _block_n(block_r)))
-    _bgmv_expand_kernel[grid](v, y, pool, page_table, page_table.stride(0), b_off, rank, scale, indices, n_out,
-                              y_col, v.stride(0), y.stride(0), PAGE=page_elems, BLOCK_R=block_r,
-                              BLOCK_N=_block_n(block_r))
+    b_off, rank, scale = _by_module(b_off, rank, scale)
+    G = b_off.shape[0]
+    (c0, c1, c2, c3), widest = _boundaries(cols)
+    block_r = _block_r(v.shape[1] // G)
+    grid = (T, triton.cdiv(widest, _block_n(block_r)), G)
+    _bgmv_expand_kernel[grid](v, y, pool, page_table, page_table.stride(0), b_off, rank, scale, indices, c0, c1, c2,
+                              c3, v.stride(0), y.stride(0), b_off.stride(0), v.shape[1] // G, PAGE=page_elems,
+                              BLOCK_R=block_r, BLOCK_N=_block_n(block_r))
 
 
 def sgmv_shrink(x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor, a_off: torch.Tensor,
                 rank: torch.Tensor, seg_start: torch.Tensor, seg_adapter: torch.Tensor, max_rank: int,
-                max_seg_len: int, page_elems: int, block_m: int = 16) -> torch.Tensor:
-    """x: [T, in]; seg_start: [S + 1]; seg_adapter: [S] -> v: [T, max_rank] float32."""
+                max_seg_len: int, page_elems: int, block_m: int = 16, zero: bool = True) -> torch.Tensor:
+    """x: [T, in]; a_off, rank: [A] or [G, A]; seg_start: [S + 1]; seg_adapter: [S] -> v: [T, G * max_rank]
+    float32 (as bgmv_shrink's)."""
     T, n_in = x.shape
-    v = torch.zeros(T, max_rank, dtype=torch.float32, device=x.device)
-    grid = (seg_adapter.shape[0], triton.cdiv(max_seg_len, block_m))
+    a_off, rank = _by_module(a_off, rank)
+    G = a_off.shape[0]
+    v = _v(T, G * max_rank, x.device, zero)
+    grid = (seg_adapter.shape[0], triton.cdiv(max_seg_len, block_m), G)
     block_r = _block_r(max_rank)
     _sgmv_shrink_kernel[grid](x, v, pool, page_table, page_table.stride(0), a_off, rank, seg_start, seg_adapter,
-                              n_in, x.stride(0), v.stride(0), PAGE=page_elems, BLOCK_M=block_m,
-                              BLOCK_R=block_r, BLOCK_K=min(32, _block_n(block_r)), PRECISION=_precision(pool))
+                              n_in, x.stride(0), v.stride(0), a_off.stride(0), max_rank, PAGE=page_elems,
+                              BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=min(32, _block_n(block_r)),
+                              PRECISION=_precision(pool))
     return v
 
 
 def sgmv_expand(v: torch.Tensor, y: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor,
                 b_off: torch.Tensor, rank: torch.Tensor, scale: torch.Tensor, seg_start: torch.Tensor,
-                seg_adapter: torch.Tensor, y_col: int, n_out: int, max_seg_len: int, page_elems: int,
-                block_m: int = 16) -> None:
-    """v: [T, max_rank]; y: [T, >= y_col + n_out] updated in place."""
-    block_r = _block_r(v.shape[1])
+                seg_adapter: torch.Tensor, cols, max_seg_len: int, page_elems: int, block_m: int = 16) -> None:
+    """v: [T, G * max_rank]; b_off, rank, scale: [A] or [G, A]; cols as bgmv_expand's; y updated in place."""
+    b_off, rank, scale = _by_module(b_off, rank, scale)
+    G = b_off.shape[0]
+    (c0, c1, c2, c3), widest = _boundaries(cols)
+    block_r = _block_r(v.shape[1] // G)
     block_n = 32 if block_r > 32 else 64
-    grid = (seg_adapter.shape[0], triton.cdiv(max_seg_len, block_m), triton.cdiv(n_out, block_n))
+    num_nb = triton.cdiv(widest, block_n)
+    grid = (seg_adapter.shape[0], triton.cdiv(max_seg_len, block_m), G * num_nb)
     _sgmv_expand_kernel[grid](v, y, pool, page_table, page_table.stride(0), b_off, rank, scale, seg_start,
-                              seg_adapter, n_out, y_col, v.stride(0), y.stride(0), PAGE=page_elems,
-                              BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n, PRECISION=_precision(pool))
+                              seg_adapter, c0, c1, c2, c3, num_nb, v.stride(0), y.stride(0), b_off.stride(0),
+                              v.shape[1] // G, PAGE=page_elems, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n,
+                              PRECISION=_precision(pool))

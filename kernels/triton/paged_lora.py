@@ -47,6 +47,11 @@ class PagedAdapters(InPlaceSlots):
                     "o_proj": shape.hidden_size, "gate_proj": shape.intermediate_size,
                     "up_proj": shape.intermediate_size, "down_proj": shape.hidden_size}
         self.entries: dict[int, _Entry] = {}          # slot -> its adapter's page table and offsets
+        self.cols = {}                                # group -> its modules' column boundaries in its output
+        for group, mods in GROUP_MODULES.items():
+            self.cols[group] = [0]
+            for m in mods:
+                self.cols[group].append(self.cols[group][-1] + self.out[m])
 
     def assign(self, adapter_id: int, layout: PackedLayout, pages: Sequence[int], busy: set[int]) -> int:
         if adapter_id in self.slot_of:
@@ -111,26 +116,26 @@ class PagedLoraStep:
 
     def project(self, linear, layer: int, group: str, x: torch.Tensor) -> torch.Tensor:
         y = linear(x)
-        col = 0
-        for module in GROUP_MODULES[group]:
-            m = MODULES.index(module)
-            n_out = self.adapters.out[module]
-            if self.targets[m]:
-                self._add(layer, m, x, y, col, n_out)
-            col += n_out
+        mods = GROUP_MODULES[group]
+        m0 = MODULES.index(mods[0])                   # a group's modules are consecutive in MODULES
+        if any(self.targets[m0:m0 + len(mods)]):
+            self._add(layer, m0, len(mods), x, y, self.adapters.cols[group])
         return y
 
-    def _add(self, layer: int, m: int, x: torch.Tensor, y: torch.Tensor, col: int, n_out: int) -> None:
-        """y[t, col:col + n_out] += scale * B @ (A @ x[t]) of module m at `layer`, every token t."""
+    def _add(self, layer: int, m0: int, G: int, x: torch.Tensor, y: torch.Tensor, cols: list[int]) -> None:
+        """y[t, cols[g]:cols[g + 1]] += scale * B @ (A @ x[t]) of module m0 + g at `layer`, every token t and
+        each of the group's G modules: one shrink and one expand launch per kind of token (decode, prefill), the
+        shrinks' output unzeroed (no fill launch)."""
         pool, table, page = self.adapters.pool, self.table, self.adapters.page_elems
-        a_off, b_off, rank, scale = (t[layer, m] for t in (self.a_off, self.b_off, self.rank, self.scale))
+        a_off, b_off, rank, scale = (t[layer, m0:m0 + G] for t in (self.a_off, self.b_off, self.rank, self.scale))
         d = self.num_decode
         if d:
-            v = lora_ops.bgmv_shrink(x[:d], pool, table, a_off, rank, self.decode_idx, self.max_rank, page)
-            lora_ops.bgmv_expand(v, y[:d], pool, table, b_off, rank, scale, self.decode_idx, col, n_out, page)
+            v = lora_ops.bgmv_shrink(x[:d], pool, table, a_off, rank, self.decode_idx, self.max_rank, page,
+                                     zero=False)
+            lora_ops.bgmv_expand(v, y[:d], pool, table, b_off, rank, scale, self.decode_idx, cols, page)
         if self.has_prefill:
             xp, yp = x[d:], y[d:]
             v = lora_ops.sgmv_shrink(xp, pool, table, a_off, rank, self.seg_start, self.seg_adapter, self.max_rank,
-                                     self.max_seg_len, page)
-            lora_ops.sgmv_expand(v, yp, pool, table, b_off, rank, scale, self.seg_start, self.seg_adapter, col, n_out,
+                                     self.max_seg_len, page, zero=False)
+            lora_ops.sgmv_expand(v, yp, pool, table, b_off, rank, scale, self.seg_start, self.seg_adapter, cols,
                                  self.max_seg_len, page)

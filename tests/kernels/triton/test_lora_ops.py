@@ -62,7 +62,7 @@ def test_bgmv_shrink_expand(rank, dtype, hidden, kind):
     torch.testing.assert_close(v, v_ref, atol=atol * hidden ** 0.5, rtol=rtol)
     y = torch.randn(10, n_out + 8).to(dtype)
     y_ref = ref_expand(v_ref, y, pool, table, b_off, rk, scale, idx, 8, n_out, PAGE)
-    y = on_device(lora_ops.bgmv_expand, v_ref, y, pool, table, b_off, rk, scale, idx, 8, n_out, PAGE)[1][1]
+    y = on_device(lora_ops.bgmv_expand, v_ref, y, pool, table, b_off, rk, scale, idx, [8, 8 + n_out], PAGE)[1][1]
     torch.testing.assert_close(y.float(), y_ref, atol=atol * rank ** 0.5 * 4, rtol=rtol)
 
 
@@ -84,7 +84,7 @@ def test_sgmv_shrink_expand(rank, dtype, hidden, kind):
     torch.testing.assert_close(v, v_ref, atol=atol * hidden ** 0.5, rtol=rtol)
     y = torch.randn(T, n_out).to(dtype)
     y_ref = ref_expand(v_ref, y, pool, table, b_off, rk, scale, idx, 0, n_out, PAGE)
-    y = on_device(lora_ops.sgmv_expand, v_ref, y, pool, table, b_off, rk, scale, seg_start, seg_adapter, 0, n_out,
+    y = on_device(lora_ops.sgmv_expand, v_ref, y, pool, table, b_off, rk, scale, seg_start, seg_adapter, [0, n_out],
                   max(lens), PAGE)[1][1]
     torch.testing.assert_close(y.float(), y_ref, atol=atol * rank ** 0.5 * 4, rtol=rtol)
 
@@ -109,7 +109,68 @@ def test_sgmv_with_empty_segments_and_odd_ranks(dtype):
     y = torch.randn(T, n_out).to(dtype)
     before = y.clone()
     y_ref = ref_expand(v_ref, y, pool, table, b_off, rk, scale, idx, 0, n_out, PAGE)
-    y = on_device(lora_ops.sgmv_expand, v_ref, y, pool, table, b_off, rk, scale, seg_start, seg_adapter, 0, n_out,
+    y = on_device(lora_ops.sgmv_expand, v_ref, y, pool, table, b_off, rk, scale, seg_start, seg_adapter, [0, n_out],
                   max(lens), PAGE)[1][1]
     torch.testing.assert_close(y.float(), y_ref, atol=atol * 64 ** 0.5 * 4, rtol=rtol)
     assert torch.equal(y[14:17], before[14:17])          # the base-model segment is left alone
+
+
+def make_group(ranks, n_in, outs, dtype, seed=3):
+    """A fused group's G modules for each adapter in one pool: ranks[i][g] (0: adapter i lacks module g), A_g
+    [r, in] then B_g [out_g, r] of each module one after another in adapter i's randomly ordered pages ->
+    pool, table, and [G, A] a_off, b_off, rank, scale."""
+    g = torch.Generator().manual_seed(seed)
+    A, G = len(ranks), len(outs)
+    a_off, b_off, rank = (torch.zeros(G, A, dtype=torch.long) for _ in range(3))
+    sizes = []
+    for i, rs in enumerate(ranks):
+        off = 0
+        for m, (r, n_out) in enumerate(zip(rs, outs)):
+            a_off[m, i], b_off[m, i], rank[m, i] = off, off + r * n_in, r
+            off += r * (n_in + n_out)
+        sizes.append(max(off, 1))
+    npages = [-(-s // PAGE) for s in sizes]
+    order = torch.randperm(sum(npages) + 2, generator=g)
+    pool = torch.randn((sum(npages) + 2) * PAGE, generator=g).to(dtype)
+    table = torch.zeros(A, max(npages), dtype=torch.long)
+    used = 0
+    for i, n in enumerate(npages):
+        table[i, :n] = order[used:used + n]
+        used += n
+    return pool, table, a_off, b_off, rank, torch.rand(G, A, generator=g) + 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_fused_group_in_one_launch_each(dtype):
+    """q, k, v of different widths in one shrink and one expand launch (decode and prefill), adapters of
+    different ranks per module, one without k: each module's columns as the per-module reference gives them."""
+    ranks = [(8, 4, 8), (16, 0, 2), (3, 5, 7)]
+    hidden, outs = 64, (64, 32, 32)
+    cols = [0, 64, 96, 128]
+    pool, table, a_off, b_off, rk, scale = make_group(ranks, hidden, outs, dtype)
+    max_rank = 16
+    atol, rtol = TOL[dtype]
+    idx = torch.tensor([0, 1, -1, 2, 1, 0, 2])
+    seg_start, seg_adapter = torch.tensor([0, 3, 4, 9, 12]), torch.tensor([2, -1, 0, 1])
+    for kind in ("decode", "prefill"):
+        tokens = idx if kind == "decode" else segments_to_indices(seg_start, seg_adapter)
+        x = torch.randn(len(tokens), hidden).to(dtype)
+        y = torch.randn(len(tokens), 128).to(dtype)
+        if kind == "decode":
+            v, _ = on_device(lora_ops.bgmv_shrink, x, pool, table, a_off, rk, tokens, max_rank, PAGE)
+        else:
+            v, _ = on_device(lora_ops.sgmv_shrink, x, pool, table, a_off, rk, seg_start, seg_adapter, max_rank, 9,
+                             PAGE)
+        want = y.float().clone()
+        for m in range(3):
+            v_ref = ref_shrink(x, pool, table, a_off[m], rk[m], tokens, max_rank, PAGE)
+            torch.testing.assert_close(v[:, m * max_rank:(m + 1) * max_rank], v_ref, atol=atol * hidden ** 0.5,
+                                       rtol=rtol)
+            want = ref_expand(v_ref, want, pool, table, b_off[m], rk[m], scale[m], tokens, cols[m], outs[m], PAGE)
+        if kind == "decode":
+            got = on_device(lora_ops.bgmv_expand, v, y, pool, table, b_off, rk, scale, tokens, cols, PAGE)[1][1]
+        else:
+            got = on_device(lora_ops.sgmv_expand, v, y, pool, table, b_off, rk, scale, seg_start, seg_adapter, cols,
+                            9, PAGE)[1][1]
+        torch.testing.assert_close(got.float(), want, atol=atol * max_rank ** 0.5 * 4, rtol=rtol)
+        assert torch.equal(got[tokens < 0], y[tokens < 0]), "rows without an adapter are left alone"
