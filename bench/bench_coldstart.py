@@ -64,6 +64,8 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cpu", help="cpu or cuda (make gpu-check): the pool and PEFT's model there; "
                    "on cuda a cold load ends when its pages' copy on the side stream has landed")
+    p.add_argument("--backend", default=None, help="the engine's backend (default: this host's best); torch packs "
+                   "as a GPU load does (row-major, into a staging buffer), without the copy")
     p.add_argument("--peft-every", type=int, default=4, help="time PEFT on every k-th adapter (it is slow)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=None)
@@ -81,7 +83,7 @@ def main() -> None:
             for i in range(args.num)]
     sizes = [d.joinpath("adapter_model.safetensors").stat().st_size for d in dirs]
     copy = [memcpy_seconds(d / "adapter_model.safetensors") for d in dirs]
-    llm = LLM(dtype=args.dtype, device=args.device)
+    llm = LLM(dtype=args.dtype, device=args.device, **({"backend": args.backend} if args.backend else {}))
     freeze_startup_objects()        # as the server's engine process does once it is built
     loraplex_seconds(llm, "warm-up", dirs[0])
     ours = [loraplex_seconds(llm, f"c{i}", d) for i, d in enumerate(dirs)]

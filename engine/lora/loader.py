@@ -37,7 +37,7 @@ from typing import NamedTuple
 import torch
 
 from engine.lora import dora
-from engine.lora.host_adapter import AdapterFiles, check_finite, files_signature, read_weights
+from engine.lora.host_adapter import AdapterFiles, check_finite, files_signature, mapped_weights
 from engine.lora.int8_pages import Int8Pages
 from engine.lora.peft_config import module_path
 from kernels.lora_layout import LoraPacker, PackedLayout, is_expert
@@ -73,7 +73,7 @@ def read_packed(files: AdapterFiles, layout: PackedLayout, page_elems: int, dtyp
     if packs_in_place(files, dtype, packer):
         _pack_from_file(files, layout, packer, flat, dtype, pace)
         return flat.view(-1, page_elems)
-    modules = files.read() if hasattr(files, "read") else read_weights(files)    # a composition: its own
+    modules = files.read() if hasattr(files, "read") else mapped_weights(files)    # a composition: its own
     for key, a, b in modules:
         pace()
         for name, stored in packer.place(layout, key, a, b, flat):

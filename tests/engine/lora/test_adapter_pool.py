@@ -214,15 +214,20 @@ def test_a_reload_under_the_same_name_while_loading_serves_the_new_weights(tmp_p
 
 def test_a_load_that_fails_frees_its_pages_and_names_the_problem(tmp_path):
     m, pool = manager(16)
-    d = write_adapter(tmp_path / "a", r=4)
-    a = m.register("a", d)
     key = "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"
-    write_adapter(d, 4, extra_tensors={key: torch.full((16, 4), float("nan"))})   # same shapes, NaN now
+    d = write_adapter(tmp_path / "a", 4, extra_tensors={key: torch.full((16, 4), float("nan"))})
+    a = m.register("a", d)                      # registration reads no weights: the load finds the NaN
     assert m.start_load(a)
     m.wait_loads()
     (failed, error), = m.poll()
     assert failed is a and "NaN" in error and "v_proj" in error
     assert a.state == AdapterState.DISK and pool.num_free == 16 and m.stats.failed_loads == 1
+    b = m.register("b", write_adapter(tmp_path / "b", r=4))
+    write_adapter(tmp_path / "b", 4, extra_tensors={key: torch.ones(16, 4)})      # rewritten after registration
+    assert m.start_load(b)
+    m.wait_loads()
+    (failed, error), = m.poll()
+    assert failed is b and "changed on disk" in error and pool.num_free == 16
 
 
 def test_the_loader_needs_a_thread():
