@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from engine.config import ModelConfig
-from engine.lora.host_adapter import AdapterFiles, module_shape, read_weights
+from engine.lora.host_adapter import AdapterFiles, mapped_weights, module_shape
 from engine.lora.peft_config import module_path
 from kernels.lora_layout import GROUP_MODULES, GROUP_OF, PackedLayout, with_dora, write_range
 
@@ -115,7 +115,7 @@ def scales(files: AdapterFiles, cfg: ModelConfig, base: BaseRows,
     0 elsewhere. Raises ValueError naming a row whose g is not finite (a zero row of W + s B A)."""
     mags = read_magnitudes(files)
     out: dict[tuple[int, str], torch.Tensor] = {}
-    for key, a, b in read_weights(files):
+    for key, a, b in mapped_weights(files):
         layer, module = key
         group, first, end = group_rows(cfg, module)
         d = mags[key] / row_norms(base, layer, module, a, b, files.shapes[key][3], pace) - 1
