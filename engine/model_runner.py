@@ -126,8 +126,9 @@ class ModelRunner:
 
     def dora_scales(self, out: SchedulerOutput) -> DoraScales | None:
         """The step's DoRA rescaling (engine/model/dora_scales.py), from the adapters' places in the pool."""
-        if self.placement is None:
-            return None
+        if self.placement is None or not any(r.adapter_id and self.placement(r.adapter_id)[0].dora
+                                             for r in out.requests):
+            return None                     # (a row list over the step's tokens only when a DoRA row is in it)
         ids = [req.adapter_id or 0 for req, n in zip(out.requests, out.num_new_tokens) for _ in range(n)]
         return DoraScales.build(self.backend, self.storage, ids, self.placement)
 

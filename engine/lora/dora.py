@@ -103,9 +103,9 @@ def row_norms(base: BaseRows, layer: int, module: str, a: torch.Tensor, b: torch
     aat = a @ a.T                                                         # [r, r]
     for lo, hi in _pieces(w):
         pace()
-        wa = (w[lo:hi] @ aw.T).float()                                    # [rows, r]
         bl = b[lo:hi]
-        sq[lo:hi] += 2 * scale * (wa * bl).sum(1) + scale * scale * ((bl @ aat) * bl).sum(1)
+        t = torch.addmm((w[lo:hi] @ aw.T).float(), bl, aat, alpha=scale / 2)    # W A^T + s/2 B A A^T: [rows, r]
+        sq[lo:hi].add_(torch.linalg.vecdot(t, bl), alpha=2 * scale)            # + 2 s (B . that), per row
     return sq.clamp_min_(0).sqrt_().cpu()
 
 

@@ -59,9 +59,12 @@ def test_dora_rows_match_peft_in_one_mixed_batch(backend, tiny):
     d, oracle = tiny
     jobs = [("dora-all", "dora-all"), (None, None), ("lora-all", "lora-all"), ("dora-qv", "dora-qv"),
             (TWO, "two"), ("dora-rs", "dora-rs"), ("dora-all", "dora-all")]
+    n = 4 if backend == "triton" else 8            # (the Triton interpreter takes ~5 s a token here)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(jobs))]
-    outs = engine(d, backend, names=SPECS).generate(prompts, GREEDY, adapter=[a for a, _ in jobs])
-    want = [peft_greedy(oracle, name, ids, 8) for (_, name), ids in zip(jobs, prompts)]
+    outs = engine(d, backend, names=SPECS).generate(prompts, SamplingParams(temperature=0, max_tokens=n,
+                                                                            ignore_eos=True),
+                                                    adapter=[a for a, _ in jobs])
+    want = [peft_greedy(oracle, name, ids, n) for (_, name), ids in zip(jobs, prompts)]
     assert [o.token_ids for o in outs] == want
 
 
