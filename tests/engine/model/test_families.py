@@ -94,10 +94,11 @@ def test_the_tiny_models_have_their_families_switches(family):
 def test_greedy_tokens_match_peft(backend, family):
     name, d, oracle = family
     llm = engine(d, backend, "float32")
-    outs = llm.generate([ids for _, ids in JOBS], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+    n = 4 if backend == "triton" else 8       # (the Triton interpreter takes seconds a token: prefill + 3 decodes)
+    outs = llm.generate([ids for _, ids in JOBS], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
                         adapter=[a for a, _ in JOBS])
     got = [o.token_ids for o in outs]
-    assert got == [peft_greedy(oracle, a, ids, 8) for a, ids in JOBS], name
+    assert got == [peft_greedy(oracle, a, ids, n) for a, ids in JOBS], name
     assert sum(g != peft_greedy(oracle, None, ids, 8) for g, (a, ids) in zip(got, JOBS) if a) >= 3
 
 
