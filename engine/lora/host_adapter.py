@@ -39,8 +39,10 @@ _EXPERT_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.mlp\.e
 _MAG_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)"
                       r"\.lora_magnitude_vector(?:\.\w+)?(?:\.weight)?$")
 # safetensors dtype names that are floating point (what torch's is_floating_point accepts)
-_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
-_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_ITEMSIZE = {name: t.itemsize for name, t in _TORCH_DTYPES.items()}
+_FLOAT_DTYPES = set(_TORCH_DTYPES)
 _MAX_HEADER = 100 << 20          # safetensors' own limit on the JSON header
 
 
@@ -332,10 +334,6 @@ def read_weights(files: AdapterFiles):
                 raise ValueError(f"adapter: {files.weights} changed on disk since it was registered "
                                  f"({module_path(*key)} is not what its header said)")
             yield key, a, b
-
-
-_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 def mapped_weights(files: AdapterFiles):
