@@ -2,10 +2,11 @@
 
 (1) `--experiment peft`: N requests (default 64) over N adapters of ranks 8 / 16 / 32 on all seven
     projections, P prompt + O new tokens (EOS ignored), bf16, loraplex at its defaults (`LLM()`, no flags),
-    in one process: the adapters picked uniformly (request i on adapter i) and by Zipf(1.2); loraplex on
-    the base model alone (same prompts); PEFT's mixed-adapter batch (`generate(..., adapter_names=[one per
-    row])`, its own multi-adapter path) for both picks. Prints output tokens/s and the ratios (goals: >= 10x
-    PEFT, >= 0.85x loraplex's base model); writes bench/results/peft.json and .png.
+    in one process: the adapters picked uniformly (request i on adapter i) and by Zipf(1.2), and loraplex on
+    the base model alone, the three alternated `--repeats` times (medians; each run new prompts, so none is
+    found in the prefix cache); PEFT's mixed-adapter batch (`generate(..., adapter_names=[one per row])`,
+    its own multi-adapter path) for both picks. Prints output tokens/s and the ratios (goals: >= 10x PEFT,
+    >= 0.85x loraplex's base model); writes bench/results/peft.json and .png.
 (2) `--experiment sweep`: loraplex alone with 1, 8, 64, 256 and 1,000 adapters, each of R requests on
     one drawn uniformly (rank 8 / 16 adapters on q and v, as bench_lora (b)), the pool holding the KV of
     the batch and about `--resident` adapters: throughput should stay flat. Prints loads and evictions.
@@ -14,6 +15,7 @@ Usage: python -m bench.bench_peft [--experiment peft|sweep|all] [--num 64] [--pr
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -45,15 +47,22 @@ def experiment_peft(args, work: Path) -> None:
     for name, d in zip(names, dirs):
         llm.register_adapter(name, str(d))
     run_loraplex(llm, prompts, names, 2)                        # warm-up: every adapter loaded once
-    ours = {k: run_loraplex(llm, prompts, v, args.out_len) for k, v in picks.items()}
-    base = run_loraplex(llm, prompts, [None] * args.num, args.out_len)
-    print(f"    loraplex, base model : {base:8.1f} tok/s")
+    # the sides alternated `repeats` times, each run its own prompts (none is found in the prefix cache)
+    sides, runs = {**picks, "base": [None] * args.num}, {}
+    for rep in range(args.repeats):
+        for i, (k, v) in enumerate(sides.items()):
+            prompts_k = prompts_for(args.num, args.prompt_len, seed=1 + rep * len(sides) + i)
+            runs.setdefault(k, []).append(run_loraplex(llm, prompts_k, v, args.out_len))
+    ours = {k: statistics.median(runs[k]) for k in picks}
+    base = statistics.median(runs["base"])
+    print("    runs (tok/s): " + "; ".join(f"{k} " + ", ".join(f"{v:.1f}" for v in r) for k, r in runs.items()))
+    print(f"    loraplex, base model : {base:8.1f} tok/s (median of {args.repeats})")
     for k, v in ours.items():
         print(f"    loraplex, {k:10s} : {v:8.1f} tok/s   ({v / base:.2f}x its base model; goal >= 0.85x)")
     llm.engine.adapters.close()
     del llm
     theirs = run_peft(args, dirs, names, prompts, picks)
-    res = {"base_tok_s": base, "loraplex_tok_s": ours, "peft_tok_s": theirs,
+    res = {"base_tok_s": base, "loraplex_tok_s": ours, "peft_tok_s": theirs, "loraplex_runs": runs,
            "x_peft": {k: ours[k] / theirs[k] for k in picks}, "x_base": {k: ours[k] / base for k in picks}}
     for k in picks:
         print(f"    transformers + PEFT, {k:7s}: {theirs[k]:8.1f} tok/s   -> loraplex {res['x_peft'][k]:.1f}x PEFT "
@@ -137,6 +146,7 @@ def main() -> None:
     p.add_argument("--num", type=int, default=64, help="requests at a time (and adapters in (1))")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--out-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="(1): loraplex's runs of each side, alternated (median)")
     p.add_argument("--requests", type=int, default=256, help="(2): requests in each run")
     p.add_argument("--counts", type=int, nargs="+", default=[1, 8, 64, 256, 1000], help="(2): adapter counts")
     p.add_argument("--resident", type=int, default=64, help="(2): adapters the pool has room for")

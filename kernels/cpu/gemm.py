@@ -22,7 +22,7 @@ from kernels.cpu.build import has_amx_bf16, has_avx2_fma, has_avx512_bf16, load_
 
 NB = 48            # columns per packed block, as compiled into gemm_avx512bf16.c
 NB_AVX2 = 16       # as compiled into gemm_avx2.c
-AMX_LIBRARIES = ("gemm_avx512bf16", "gemm_lora_avx512bf16", "decoder")    # each has its own switch
+AMX_LIBRARIES = ("gemm_avx512bf16", "gemm_lora_avx512bf16", "decoder", "lora")    # each has its own switch
 
 
 def amx(on: bool | None = None) -> bool:

@@ -1,13 +1,14 @@
 """ctypes bindings of the C multi-LoRA kernels (lora.c) and of what the bf16 GEMM needs to compute
 decode tokens' LoRA itself (gemm_lora_avx512bf16.c).
 
-A `LoraDecode` (decode tokens), `LoraSegments` (prefill tokens grouped by adapter) or `LoraRows` (decode
-tokens, for the GEMM) is prepared once per step and then used for every layer and fused group; weight
+A `LoraDecode` (decode tokens), `LoraSegments` (prefill tokens grouped by adapter; on AMX every token) or
+`LoraRows` (decode tokens, for the GEMM) is prepared once per step and then used for every layer and fused group; weight
 pointers are cached per buffer view (`Weights`), so a call costs a few microseconds of Python.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -73,6 +74,19 @@ def supports_segments(dtype: torch.dtype) -> bool:
     """Whether LoraSegments runs here (bf16 on a CPU with AVX512-BF16 or AVX2 + FMA)."""
     fns = _segment_fns()
     return fns is not None and dtype in fns
+
+
+def segments_on_amx(dtype: torch.dtype) -> bool:
+    """Whether the segment kernel runs on AMX tiles here (lora_amx.h; bf16, AMX granted and switched on:
+    c_gemm.amx()). Then every token with an adapter goes there, decode tokens grouped by adapter too: a
+    token's bits are then the same whatever path its prompt's chunks took."""
+    fns = _amx_switch()
+    return supports_segments(dtype) and fns is not None and bool(fns["amx"](-1))
+
+
+@functools.cache
+def _amx_switch():
+    return load_functions("lora", {"amx": "gemm_amx"}) if has_avx512_bf16() else None
 
 
 class GroupShape:

@@ -9,8 +9,12 @@ in fp32, so a decode token's delta never depends on who shares the step or its a
 AVX512-BF16 C GEMM, the GEMM computes those tokens' LoRA itself (`fused`, kernels/cpu/csrc/gemm_lora_avx512bf16.c): the
 adapters' bytes stream in while it computes. In bf16 with AVX512-BF16 or AVX2, prefill tokens go to the
 segment kernel (tokens grouped by adapter, 4 at a time per weight load, each token still computed on its
-own); otherwise (fp32, or bf16 on other CPUs) to the per-token kernel. Ranks or widths beyond what the C
-kernels were compiled for take a plain torch loop over the step's adapters (`fallback`).
+own); otherwise (fp32, or bf16 on other CPUs) to the per-token kernel. Where AMX tiles run
+(c_lora.segments_on_amx), every token goes to the segment kernel, decode tokens grouped by adapter with
+the prefill ones: it runs up to 16 tokens of an adapter per AMX task (kernels/cpu/csrc/lora_amx.h), so an
+adapter that 20 requests share is read twice a step, not 20 times, and its FLOPs run at AMX's rate.
+Ranks or widths beyond what the C kernels were compiled for take a plain torch loop over the step's
+adapters (`fallback`).
 """
 from __future__ import annotations
 
@@ -69,7 +73,8 @@ class LoraBatch:
         index = {s: j for j, s in enumerate(slots)}
         tables = adapters.tables(slots)
         segmented = c_lora.supports_segments(adapters.dtype)
-        per_token = num_decode if segmented else len(token_slots)
+        # decode tokens one at a time (inside the GEMM where it can), or by adapter in the segments (on AMX)
+        per_token = 0 if c_lora.segments_on_amx(adapters.dtype) else num_decode if segmented else len(token_slots)
         pairs = [(t, index[s], ranks[index[s]]) for t, s in enumerate(token_slots[:per_token]) if s >= 0]
         decode = fused_rows = segments = None
         if pairs:

@@ -162,7 +162,7 @@ int decoder_layers_bf16(const decoder_args *a) {
     if (!rows || !walkers) { free(rows); free(walkers); return -4; }
     const int nrows = a->lora && a->slot ? adapter_rows(a->slot, a->rank, a->T, max_rank, rows) : 0;
     int64_t tasks = 0, *task_seg = NULL;
-    const int seg_rc = a->lora && a->n_seg > 0 ? segment_tasks(a->seg_start, a->seg_rank, a->n_seg, max_rank, TT,
+    const int seg_rc = a->lora && a->n_seg > 0 ? segment_tasks(a->seg_start, a->seg_rank, a->n_seg, max_rank, segment_task_tokens(),
                                                               &tasks, &task_seg) : 0;
     if (nrows < 0 || seg_rc) { free(rows); free(walkers); return nrows < 0 ? nrows : seg_rc; }
     int failed = 0;

@@ -9,16 +9,15 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "amx.h"
 #include "walker.h"
 
 #define NV 3              /* zmm accumulators per row of a tile */
 #define NB (16 * NV)      /* columns per block */
 #define MRV 8             /* rows per register tile (vdpbf16ps) */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define GEMM_AMX 1
+#if GEMM_AMX
 #define MR 16             /* rows per tile: one AMX tile's rows (two register tiles where AMX is off) */
 #else
-#define GEMM_AMX 0
 #define MR MRV            /* rows per tile */
 #endif
 #define MC 96             /* rows per task at most: the task's x rows stay in L2 */
@@ -181,27 +180,6 @@ static inline __attribute__((always_inline)) void tile_vnni(const uint16_t *x, i
  * on vdpbf16ps. Each output is one fp32 sum rounded once; its order of additions is the hardware's, the same
  * for every row, so a row's result still never depends on the rest of the batch. Tile configuration is
  * per thread and other libraries (oneDNN) set their own, so each tile loads its own. */
-#include <stdlib.h>
-#include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config;
-
-/* Whether the tiles run on AMX: the kernel must grant this process the tile state (Linux >= 5.16, asked
- * once at load); LORAPLEX_CPU_AMX=0 turns it off (gemm_amx switches it for tests and benchmarks). */
-static int amx_permitted, amx_on;
-
-__attribute__((constructor)) static void amx_request(void) {
-    amx_permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-    const char *env = getenv("LORAPLEX_CPU_AMX");
-    amx_on = amx_permitted && !(env && env[0] == '0');
-}
-
 static inline void amx_configure(int mr) {
     amx_config c;
     memset(&c, 0, sizeof c);
@@ -281,18 +259,6 @@ static inline __attribute__((always_inline)) void tile_amx(const uint16_t *x, in
         }
 }
 #endif
-
-/* on: 1 AMX tiles where this CPU and kernel allow, 0 vdpbf16ps tiles, -1 as they are -> 1 if AMX tiles run
- * now (this library's own switch). */
-int gemm_amx(int on) {
-#if GEMM_AMX
-    if (on >= 0) amx_on = on && amx_permitted;
-    return amx_on;
-#else
-    (void)on;
-    return 0;
-#endif
-}
 
 /* A tile of MR rows: on AMX where it runs, else as register tiles of MRV rows (the first carries the
  * prefetches). */

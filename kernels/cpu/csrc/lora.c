@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "amx.h"
 #include "bf16.h"
 #include "sum16.h"
 
@@ -120,6 +121,23 @@ DEFINE_LORA(lora_decode_f32, float, f32_id, f32_id)
 
 #ifdef __AVX512BF16__
 #include "lora_avx512bf16.h"
+#include "lora_amx.h"
+
+/* One token's delta, yt += Bt_g^T (A xt) over the G outputs side by side (as, bs: its adapter's A and Bt_g) */
+static void token_bf16(const uint16_t *xt, uint16_t *yt, const uint16_t *as, int r, int G, int in,
+                       const uint16_t *const *bs, const int64_t *out) {
+    float v[MAX_RANK_ROWS];
+    uint32_t vp[MAX_RANK_ROWS];
+    prefetch(as, 8 * (int64_t)in * sizeof(uint16_t));   /* the first rows of A, the first chunks of B's rows */
+    for (int g = 0; g < G; g++)
+        for (int k = 0; k < r; k += 2) prefetch(bs[g] + k * out[g], 256);
+    shrink_bf16(xt, as, r * G, in, v);
+    pair_v(v, r, G, vp);
+    for (int g = 0; g < G; g++) {
+        expand_pairs_bf16(bs[g], out[g], out[g], r, vp + g, G, yt);
+        yt += out[g];
+    }
+}
 
 /* bf16 with AVX512-BF16: the same contract as above, except that each Bt_g[s] is in the paired layout of
  * lora_avx512bf16.h ([ceil(R / 2)][out_g][2]) and the intermediate A x is rounded to bf16 before the expand (as
@@ -131,23 +149,8 @@ int lora_decode_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y
     if (G > MAX_GROUPS || R * G > MAX_RANK_ROWS || in > MAX_IN) return -1;
     for (int i = 0; i < n; i++) if (rank[i] < 0 || rank[i] > R) return -3;
 #pragma omp parallel for schedule(static)
-    for (int i = 0; i < n; i++) {
-        float v[MAX_RANK_ROWS];
-        uint32_t vp[MAX_RANK_ROWS];
-        const int64_t t = tok[i], s = slot[i];
-        const int r = (int)rank[i];
-        const uint16_t *as = a[s];
-        prefetch(as, 8 * (int64_t)in * sizeof(uint16_t));   /* the first rows of A, the first chunks of B's rows */
-        for (int g = 0; g < G; g++)
-            for (int k = 0; k < r; k += 2) prefetch(b[s * G + g] + k * out[g], 256);
-        shrink_bf16(x + t * x_stride, as, r * G, in, v);
-        pair_v(v, r, G, vp);
-        uint16_t *yt = y + t * y_stride;
-        for (int g = 0; g < G; g++) {
-            expand_pairs_bf16(b[s * G + g], out[g], out[g], r, vp + g, G, yt);
-            yt += out[g];
-        }
-    }
+    for (int i = 0; i < n; i++)
+        token_bf16(x + tok[i] * x_stride, y + tok[i] * y_stride, a[slot[i]], (int)rank[i], G, in, b + slot[i] * G, out);
     return 0;
 }
 
@@ -217,37 +220,84 @@ static void expand_tile_bf16(const uint16_t *bs, int64_t o, int r, uint32_t vp[T
     }
 }
 
-/* The body of lora_segments_bf16 over segment_tasks' tasks: a work-shared loop (decoder.c runs it inside
- * its own parallel region). */
-static void segments_for(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const int64_t *tok,
-                         const int64_t *seg_start, const int64_t *seg_slot, const int64_t *seg_rank,
-                         const uint16_t *const *a, int G, int in, const uint16_t *const *b, const int64_t *out, int64_t tasks, const int64_t *task_seg) {
-    const int64_t *task_first = task_seg + tasks + 1;
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < tasks; task++) {
-        const int64_t i = task_seg[task], first = task_first[task];
-        const int nt = (int)(seg_start[i + 1] - first < TT ? seg_start[i + 1] - first : TT);
-        const int64_t s = seg_slot[i];
-        const int r = (int)seg_rank[i];
+/* Tokens [first, first + nt) of segment i on vdpbf16ps, TT at a time (a token alone: the decode kernel's
+ * loop, the same bits without a padded tile). */
+static void segment_tiles(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const int64_t *tok,
+                          int64_t first, int n, const uint16_t *as, const uint16_t *const *bs, int r, int G, int in,
+                          const int64_t *out) {
+    for (int64_t f = first; f < first + n; f += TT) {
+        const int nt = (int)(first + n - f < TT ? first + n - f : TT);
+        if (nt == 1) {
+            token_bf16(x + tok[f] * x_stride, y + tok[f] * y_stride, as, r, G, in, bs, out);
+            continue;
+        }
         const uint16_t *xs[TT];
         uint16_t *ys[TT];
         for (int tt = 0; tt < TT; tt++) {
-            const int64_t t = tok[first + (tt < nt ? tt : nt - 1)];
+            const int64_t t = tok[f + (tt < nt ? tt : nt - 1)];
             xs[tt] = x + t * x_stride;
             ys[tt] = y + t * y_stride;
         }
         float v[TT][MAX_RANK_ROWS];
         uint32_t vp[TT][MAX_RANK_ROWS];
-        shrink_tile_bf16(xs, a[s], r * G, in, v);
+        shrink_tile_bf16(xs, as, r * G, in, v);
         for (int tt = 0; tt < TT; tt++) pair_v(v[tt], r, G, vp[tt]);
         int64_t col = 0;
         for (int g = 0; g < G; g++) {
             uint16_t *yg[TT];
             for (int tt = 0; tt < TT; tt++) yg[tt] = ys[tt] + col;
-            expand_tile_bf16(b[s * G + g], out[g], r, vp, g, G, yg, nt);
+            expand_tile_bf16(bs[g], out[g], r, vp, g, G, yg, nt);
             col += out[g];
         }
     }
+}
+
+/* Tokens per segment task: AMX_TOKENS where AMX tiles run, else TT (segment_tasks' tt) */
+static int segment_task_tokens(void) {
+#if GEMM_AMX
+    if (amx_on) return AT;
+#endif
+    return TT;
+}
+
+/* The body of lora_segments_bf16 over segment_tasks' tasks (of up to segment_task_tokens() tokens): a
+ * work-shared loop (decoder.c runs it inside its own parallel region). On AMX (lora_amx.h) where the
+ * group's shapes fit, else on vdpbf16ps tiles; whichever runs, it runs every token of the call. */
+static void segments_for(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const int64_t *tok,
+                         const int64_t *seg_start, const int64_t *seg_slot, const int64_t *seg_rank,
+                         const uint16_t *const *a, int G, int in, const uint16_t *const *b, const int64_t *out, int64_t tasks, const int64_t *task_seg) {
+    const int64_t *task_first = task_seg + tasks + 1;
+    const int tt = segment_task_tokens();
+#if GEMM_AMX
+    const int on_amx = amx_on && amx_lora_fits(in, G, out);
+    uint32_t *xp = on_amx ? (uint32_t *)aligned_alloc(64, (size_t)in * AT * 2) : NULL;
+    float *vt = on_amx ? (float *)malloc(sizeof(float) * MAX_RANK_ROWS * AT) : NULL;
+    int filled = AT;        /* xp's columns that may be non-zero */
+#endif
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t i = task_seg[task], first = task_first[task];
+        const int nt = (int)(seg_start[i + 1] - first < tt ? seg_start[i + 1] - first : tt);
+        const int64_t s = seg_slot[i];
+        const int r = (int)seg_rank[i];
+#if GEMM_AMX
+        if (on_amx && xp && vt) {
+            const uint16_t *xs[AT];
+            uint16_t *ys[AT];
+            for (int t = 0; t < nt; t++) {
+                xs[t] = x + tok[first + t] * x_stride;
+                ys[t] = y + tok[first + t] * y_stride;
+            }
+            task_amx(xs, ys, nt, a[s], b + s * G, r, G, in, out, xp, &filled, vt);
+            continue;
+        }
+#endif
+        segment_tiles(x, x_stride, y, y_stride, tok, first, nt, a[s], b + s * G, r, G, in, out);
+    }
+#if GEMM_AMX
+    free(xp);
+    free(vt);
+#endif
 }
 
 /* lora_segments_bf16's tasks (see segment_tasks) in a parallel region of their own: 0 */
@@ -306,6 +356,8 @@ int lora_decode_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y
     }
     return failed ? -2 : 0;
 }
+
+static int segment_task_tokens(void) { return TT; }
 
 /* Segments of tokens sharing an adapter (prefill), bf16 on AVX2 + FMA: lora_segments_bf16's tasks (B
  * plain). Each task is up to TT tokens of one segment: its shrink runs 4 tokens x 2 rows per pass
@@ -392,7 +444,7 @@ int lora_segments_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t
                        const uint16_t *const *a, int R, int G, int in, const uint16_t *const *b, const int64_t *out) {
     if (G > MAX_GROUPS || R * G > MAX_RANK_ROWS || in > MAX_IN) return -1;
     int64_t tasks = 0, *task_seg = NULL;
-    const int rc = segment_tasks(seg_start, seg_rank, n_seg, R, TT, &tasks, &task_seg);
+    const int rc = segment_tasks(seg_start, seg_rank, n_seg, R, segment_task_tokens(), &tasks, &task_seg);
     if (rc) return rc;
     const int ran = segments_run(x, x_stride, y, y_stride, tok, seg_start, seg_slot, seg_rank, a, G,
                                  in, b, out, tasks, task_seg);

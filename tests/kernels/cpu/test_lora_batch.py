@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from kernels.cpu import gemm
 from kernels.cpu import lora as c_lora
 from kernels.cpu import lora_batch as cpu_lora
 from kernels.cpu.lora_batch import LoraBatch
@@ -62,8 +63,9 @@ def make_adapters(specs, dtype=torch.float32, num_pages=64, seed=0):
     return adapters, originals
 
 
-def reference(originals, dtype, layer, group, x, token_slots):
-    """fp32 per token: sum over the group's modules of (scale * B in the model dtype) @ (A x)."""
+def reference(originals, dtype, layer, group, x, token_slots, round_v=False):
+    """fp32 per token: sum over the group's modules of (scale * B in the model dtype) @ (A x) (A x rounded to
+    the model dtype with round_v, as the bf16 kernels keep it)."""
     outs = [SHAPES[m][1] for m in GROUP_MODULES[group]]
     y = torch.zeros(x.shape[0], sum(outs))
     for t, s in enumerate(token_slots):
@@ -74,7 +76,8 @@ def reference(originals, dtype, layer, group, x, token_slots):
             if (layer, m) in originals[s + 1]:
                 a, b, scale = originals[s + 1][(layer, m)]
                 a, b = a.to(dtype).float(), (b.to(dtype) * scale).float()
-                y[t, col:col + out] = b @ (a @ x[t].float())
+                v = a @ x[t].float()
+                y[t, col:col + out] = b @ (v.to(dtype).float() if round_v else v)
             col += out
     return y
 
@@ -164,10 +167,20 @@ def test_bf16_batches_match_reference(seed, path):
     torch.testing.assert_close(y.float(), ref, atol=0.1, rtol=2e-2)
 
 
+@pytest.fixture
+def vdpbf16ps_tiles():
+    """The C kernels' tiles on vdpbf16ps (as on a CPU without AMX) for the test, whatever this CPU has."""
+    before = gemm.amx()
+    gemm.amx(False)
+    yield
+    gemm.amx(before)
+
+
+@pytest.mark.usefixtures("vdpbf16ps_tiles")
 @pytest.mark.parametrize("group,n_in", [("qkv", 32), ("o", 32), ("gate_up", 32), ("down", 64)])
 def test_bf16_decode_lora_inside_the_base_gemm(group, n_in, path):
-    """With the C GEMM, decode tokens' LoRA is computed by the GEMM itself (fused); prefill tokens' after
-    it. Same result as the GEMM followed by the LoRA kernels."""
+    """With the C GEMM on vdpbf16ps, decode tokens' LoRA is computed by the GEMM itself (fused); prefill
+    tokens' after it. Same result as the GEMM followed by the LoRA kernels."""
     from kernels.cpu.linear import CpuLinear as Linear
     adapters, originals = make_adapters([(4, ALL), (16, ALL), (8, ("q_proj", "down_proj", "up_proj"))],
                                         torch.bfloat16)
@@ -187,6 +200,34 @@ def test_bf16_decode_lora_inside_the_base_gemm(group, n_in, path):
     torch.testing.assert_close(fused.float(), ref, atol=0.1, rtol=2e-2)
     torch.testing.assert_close(fused.float(), unfused.float(), atol=0.1, rtol=2e-2)
     assert torch.equal(fused[[2, 7]], lin(x)[[2, 7]])       # base tokens untouched
+
+
+@pytest.mark.parametrize("group,n_in", [("qkv", 32), ("gate_up", 32), ("down", 64)])
+def test_on_amx_decode_tokens_run_with_their_adapters_prefill_tokens(group, n_in, path):
+    """Where the segment kernel runs on AMX tiles, decode tokens are grouped by adapter with the prefill
+    tokens (no per-token kernel, nothing inside the GEMM): the reference's result, and every token's bits
+    the same as when it runs alone (so they depend neither on the step nor on how a prompt was chunked)."""
+    from kernels.cpu.linear import CpuLinear as Linear
+    adapters, originals = make_adapters([(4, ALL), (16, ALL), (8, ("q_proj", "down_proj", "up_proj"))],
+                                        torch.bfloat16)
+    if path != "c-kernel" or not c_lora.segments_on_amx(torch.bfloat16):
+        pytest.skip("needs AMX tiles")
+    token_slots = [0, 2, -1, 1, 1, 1, 1, -1, 2, 2, 0] + [1] * 20   # 4 decode tokens, then prefill chunks
+    batch = LoraBatch.build(adapters, token_slots, 4)
+    assert batch.decode is None and batch.fused(1, group) is None
+    assert sorted(batch.segments.tokens.tolist()) == [t for t, s in enumerate(token_slots) if s >= 0]
+    width = sum(adapters.outs[group])
+    g = torch.Generator().manual_seed(5)
+    lin = Linear((torch.randn(width, n_in, generator=g) * 0.2).to(torch.bfloat16), kernel="c")
+    x = (torch.randn(len(token_slots), n_in, generator=g) * 0.5).to(torch.bfloat16)
+    y = batch.project(lin, 1, group, x)
+    base = lin(x)
+    ref = reference(originals, torch.bfloat16, 1, group, x, token_slots, round_v=True) + base.float()
+    torch.testing.assert_close(y.float(), ref, atol=0, rtol=2 ** -7)    # y: the bf16 base + the delta, rounded
+    for t, s in enumerate(token_slots):
+        alone = LoraBatch.build(adapters, [s], 1)
+        row = alone.project(lin, 1, group, x[t:t + 1]) if alone else lin(x[t:t + 1])
+        assert torch.equal(row[0], y[t]), t
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
