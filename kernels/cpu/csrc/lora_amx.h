@@ -105,22 +105,19 @@ static void expand_amx(const uint16_t *bs, int64_t o, int r, const uint32_t *vg,
         if (nc > 1) _tile_zero(1);
         if (nc > 2) _tile_zero(2);
         if (nc > 3) _tile_zero(3);
-        for (int p0 = 0; p0 < full; p0 += 16) {
-            const uint16_t *b0 = bs + ((int64_t)p0 * o + c) * 2;
-            _tile_loadd(4, vg + p0, vs * 4);
-            _tile_loadd(5, b0, o * 4); _tile_dpbf16ps(0, 4, 5);
-            if (nc > 1) { _tile_loadd(5, b0 + 32, o * 4); _tile_dpbf16ps(1, 4, 5); }
-            if (nc > 2) { _tile_loadd(5, b0 + 64, o * 4); _tile_dpbf16ps(2, 4, 5); }
-            if (nc > 3) { _tile_loadd(5, b0 + 96, o * 4); _tile_dpbf16ps(3, 4, 5); }
-        }
-        if (rem) {
-            const uint16_t *b0 = bs + ((int64_t)full * o + c) * 2;
-            _tile_loadd(6, vg + full, vs * 4);
-            _tile_loadd(7, b0, o * 4); _tile_dpbf16ps(0, 6, 7);
-            if (nc > 1) { _tile_loadd(7, b0 + 32, o * 4); _tile_dpbf16ps(1, 6, 7); }
-            if (nc > 2) { _tile_loadd(7, b0 + 64, o * 4); _tile_dpbf16ps(2, 6, 7); }
-            if (nc > 3) { _tile_loadd(7, b0 + 96, o * 4); _tile_dpbf16ps(3, 6, 7); }
-        }
+/* pairs from p0 (A tile TA: the tokens' v there; B tile TB: B's pair rows there) into the nc C tiles */
+#define EXPAND_STEP(TA, TB, p0)                                                                              \
+        do {                                                                                                 \
+            const uint16_t *b0 = bs + ((int64_t)(p0) * o + c) * 2;                                           \
+            _tile_loadd(TA, vg + (p0), vs * 4);                                                              \
+            _tile_loadd(TB, b0, o * 4); _tile_dpbf16ps(0, TA, TB);                                           \
+            if (nc > 1) { _tile_loadd(TB, b0 + 32, o * 4); _tile_dpbf16ps(1, TA, TB); }                      \
+            if (nc > 2) { _tile_loadd(TB, b0 + 64, o * 4); _tile_dpbf16ps(2, TA, TB); }                      \
+            if (nc > 3) { _tile_loadd(TB, b0 + 96, o * 4); _tile_dpbf16ps(3, TA, TB); }                      \
+        } while (0)
+        for (int p0 = 0; p0 < full; p0 += 16) EXPAND_STEP(4, 5, p0);
+        if (rem) EXPAND_STEP(6, 7, full);
+#undef EXPAND_STEP
         _tile_stored(0, sums, 64 * 4);
         if (nc > 1) _tile_stored(1, sums + 16, 64 * 4);
         if (nc > 2) _tile_stored(2, sums + 32, 64 * 4);
