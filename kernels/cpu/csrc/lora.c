@@ -252,7 +252,7 @@ static void segment_tiles(const uint16_t *x, int64_t x_stride, uint16_t *y, int6
     }
 }
 
-/* Tokens per segment task: AMX_TOKENS where AMX tiles run, else TT (segment_tasks' tt) */
+/* Tokens per segment task: AT (16) where AMX tiles run, else TT (segment_tasks' tt) */
 static int segment_task_tokens(void) {
 #if GEMM_AMX
     if (amx_on) return AT;
