@@ -8,7 +8,8 @@
  * Each adapter's weights are streamed once, front to back; the shrink keeps v in fp32 and the expand
  * accumulates a whole y row in fp32 before one rounding. Parallel over tokens with OpenMP.
  * Builds: fp32 and plain-C bf16 (DEFINE_LORA); bf16 with AVX512-BF16 (lora_avx512bf16.h) or with AVX2 + FMA
- * (lora_avx2.h), each also with lora_segments_bf16 for prefill tokens grouped by adapter.
+ * (lora_avx2.h), each also with lora_segments_bf16 for prefill tokens grouped by adapter (where AMX tiles
+ * run, lora_amx.h, decode tokens too: the engine then calls only the segment kernel).
  */
 #include "loraplex_kernels.h"
 #include <omp.h>
@@ -357,7 +358,7 @@ int lora_decode_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y
     return failed ? -2 : 0;
 }
 
-static int segment_task_tokens(void) { return TT; }
+static int segment_task_tokens(void) { return TT; }   /* tokens per segment task (no AMX here) */
 
 /* Segments of tokens sharing an adapter (prefill), bf16 on AVX2 + FMA: lora_segments_bf16's tasks (B
  * plain). Each task is up to TT tokens of one segment: its shrink runs 4 tokens x 2 rows per pass
@@ -435,7 +436,8 @@ DEFINE_LORA(lora_decode_bf16, uint16_t, bf16_to_f32, f32_to_bf16)
 #endif
 
 #if defined(__AVX512BF16__) || (defined(__AVX2__) && defined(__FMA__))
-/* Multi-LoRA for segments of tokens sharing an adapter (prefill), bf16 (this CPU's segments_run above).
+/* Multi-LoRA for segments of tokens sharing an adapter (prefill; on AMX every token), bf16 (this CPU's
+ * segments_for / segments_run above).
  * Segment i covers tok[seg_start[i] .. seg_start[i + 1]) (rows of x and y), adapter slot seg_slot[i],
  * rank seg_rank[i] <= R; other arguments as lora_decode_bf16. 0; -1 shapes past the compiled limits;
  * -3 a bad segment; -2 out of memory. */
