@@ -170,7 +170,7 @@ class AdapterManager:
         check_adapter_name(name)
         path = Path(path)
         files = files or self.describe(path)
-        key = shape_key(path)
+        key = shape_key(files)
         old = self.by_name.get(name)
         twins = self._twins(key)
         digest = ""
@@ -482,11 +482,16 @@ class AdapterManager:
         """Block until every started load is finished, or (with `timeout`) until one job finishes or
         `timeout` seconds pass: what the engine does when nothing else can run."""
         futures = [a.future for a in self.by_id.values() if a.future is not None]
-        if timeout is not None:
-            if futures:
-                wait_futures(futures, timeout, return_when=FIRST_COMPLETED)
-            return
-        wait_futures(futures)
+        alone = self.loader.helper.alone
+        alone.set()                        # nothing computes meanwhile: the jobs may take both cores
+        try:
+            if timeout is not None:
+                if futures:
+                    wait_futures(futures, timeout, return_when=FIRST_COMPLETED)
+                return
+            wait_futures(futures)
+        finally:
+            alone.clear()
         failed = self.poll()               # enqueue the copies; the failures go to the next poll's caller
         self._failed += failed
         for a in list(self.by_id.values()):

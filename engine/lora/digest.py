@@ -19,7 +19,7 @@ import json
 import threading
 from pathlib import Path
 
-from engine.lora.host_adapter import files_signature, weights_file
+from engine.lora.host_adapter import AdapterFiles, files_signature, weights_file
 from engine.lora.peft_config import read_spec
 
 _known: dict[tuple[str, tuple[int, ...]], str] = {}
@@ -30,22 +30,22 @@ CHUNK = 1 << 20
 
 
 def _settings(d: Path) -> bytes:
-    spec = dataclasses.asdict(read_spec(d))
+    return _spec_settings(read_spec(d))
+
+
+def _spec_settings(spec) -> bytes:
+    spec = dataclasses.asdict(spec)
     spec.pop("base_model", None)                 # metadata: the same weights saved from two places agree
     return json.dumps(spec, sort_keys=True, default=list).encode()
 
 
-def shape_key(adapter_dir: str | Path) -> str:
+def shape_key(files: AdapterFiles) -> str:
     """What two adapters of one content certainly share (and two different ones almost never do): the
-    settings, the weights file's safetensors header (names, dtypes, shapes, offsets) and its size."""
-    d = Path(adapter_dir)
-    f = weights_file(d)
-    with open(f, "rb") as fh:
-        n = int.from_bytes(fh.read(8), "little")
-        header = fh.read(min(n, 100 << 20))
-    h = hashlib.sha256(_settings(d))
-    h.update(header)
-    h.update(str(f.stat().st_size).encode())
+    settings, the weights file's safetensors header (names, dtypes, shapes, offsets) and its size, as
+    describe_adapter found them (no file is read again)."""
+    h = hashlib.sha256(_spec_settings(files.spec))
+    h.update(files.header_sha256)
+    h.update(str(files.nbytes).encode())
     return h.hexdigest()
 
 

@@ -2,7 +2,8 @@
 
 `describe_adapter` reads adapter_config.json and the safetensors header only (tensor names, dtypes and
 shapes; no weights) and refuses everything loraplex cannot apply, naming it. It costs 2-3 ms here
-whatever the adapter's size, so a refusal is told at once and its `AdapterFiles` plans the adapter's pages.
+whatever the adapter's size (~0.1 ms for a header already described: adapters of one recipe share theirs),
+so a refusal is told at once and its `AdapterFiles` plans the adapter's pages.
 `read_weights` then reads the weights (memory-mapped), converts them to the model dtype and refuses NaN and
 infinite values; the loader (engine/lora/loader.py) runs it off the step thread.
 `HostAdapter.modules[(layer, module)] = LoraModule(A [r, in], B [out, r], scale)` in the model dtype.
@@ -15,11 +16,15 @@ each projection's delta exactly), so nothing after this file knows fused modules
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import re
 import struct
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 import torch
@@ -86,6 +91,7 @@ class AdapterFiles:
     rows: dict[tuple[int, str], tuple[int, int]] = dataclasses.field(default_factory=dict)
     # a piece of a fused module -> the rows [first, end) of the fused B that are its B
     magnitudes: dict[tuple[int, str], str] = dataclasses.field(default_factory=dict)
+    header_sha256: bytes = b""                                    # of the safetensors header's JSON bytes
     # DoRA (spec.use_dora): (layer, module) -> the name of its magnitude vector (a fused module's pieces:
     # their rows of it, `rows`)
 
@@ -132,16 +138,25 @@ def files_signature(adapter_dir: str | Path) -> tuple[int, ...]:
     return tuple(out)
 
 
-def read_header(f: Path) -> dict[str, dict]:
-    """The safetensors header: tensor name -> {"dtype", "shape", "data_offsets"} (no weights read), the
-    offsets made relative to the file's first byte (`start`)."""
+def _header_bytes(f: Path) -> bytes:
+    """The safetensors header's JSON bytes (no weights read)."""
     try:
         with open(f, "rb") as fh:
             raw = fh.read(8)
             n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
             if not 2 <= n <= _MAX_HEADER:
                 raise ValueError("bad header length")
-            header = msgspec.json.decode(fh.read(n))
+            data = fh.read(n)
+        if len(data) != n:
+            raise ValueError("the file ends inside its header")
+        return data
+    except ValueError as e:
+        raise ValueError(f"adapter: {f} is not a valid safetensors file: {e}") from None
+
+
+def _parse_header(f: Path, data: bytes) -> dict[str, dict]:
+    try:
+        header = msgspec.json.decode(data)
         if not isinstance(header, dict):
             raise ValueError("the header is not a JSON object")
     except (ValueError, UnicodeDecodeError, msgspec.DecodeError) as e:
@@ -151,8 +166,52 @@ def read_header(f: Path) -> dict[str, dict]:
         if not isinstance(info, dict):
             raise ValueError(f"adapter: {f} is not a valid safetensors file: a tensor entry is not an object")
         begin, end = (info.get("data_offsets") or [0, 0])[:2]
-        info["start"], info["end"] = 8 + n + int(begin), 8 + n + int(end)
+        info["start"], info["end"] = 8 + len(data) + int(begin), 8 + len(data) + int(end)
     return header
+
+
+def read_header(f: Path) -> dict[str, dict]:
+    """The safetensors header: tensor name -> {"dtype", "shape", "data_offsets"} (no weights read), the
+    offsets made relative to the file's first byte (`start`)."""
+    return _parse_header(f, _header_bytes(f))
+
+
+class _Described(NamedTuple):
+    cfg: ModelConfig                              # the base model it was checked against (compared by identity)
+    keys: dict
+    where: dict
+    shapes: dict
+    rows: dict
+    magnitudes: dict
+    header_sha256: bytes
+
+
+# What describe_adapter found for a header: adapters trained by one recipe share their header bytes (names,
+# dtypes, shapes, offsets), and the Python walk over a few hundred tensors is most of a cold load's
+# registration (~3 ms), so a header already described is looked up instead. Keyed by everything the walk
+# reads: the header bytes, the LoRA settings, the file's size, max_rank and the model config.
+_DESCRIBED: OrderedDict[tuple, _Described] = OrderedDict()
+_DESCRIBED_MAX = 64
+_MAX_CACHED_HEADER = 1 << 20
+_described_lock = threading.Lock()
+
+
+def _remembered(key: tuple, cfg: ModelConfig) -> _Described | None:
+    with _described_lock:
+        hit = _DESCRIBED.get(key)
+        if hit is None or hit.cfg is not cfg:
+            return None
+        _DESCRIBED.move_to_end(key)
+        return hit
+
+
+def _remember(key: tuple, value: _Described) -> None:
+    if len(key[0]) > _MAX_CACHED_HEADER:
+        return
+    with _described_lock:
+        _DESCRIBED[key] = value
+        while len(_DESCRIBED) > _DESCRIBED_MAX:
+            _DESCRIBED.popitem(last=False)
 
 
 def describe_adapter(adapter_dir: str | Path, cfg: ModelConfig, max_rank: int,
@@ -162,11 +221,27 @@ def describe_adapter(adapter_dir: str | Path, cfg: ModelConfig, max_rank: int,
     signature = files_signature(d)
     spec = spec or read_spec(d)
     f = weights_file(d)
+    data = _header_bytes(f)
+    cache_key = (data, repr(spec), max_rank, signature[2])
+    hit = _remembered(cache_key, cfg)
+    if hit is not None:          # copies: an AdapterFiles owns its tables
+        return AdapterFiles(d, spec, f, dict(hit.keys), dict(hit.where), dict(hit.shapes), signature,
+                            dict(hit.rows), dict(hit.magnitudes), hit.header_sha256)
+    files = _describe(d, f, _parse_header(f, data), signature, spec, cfg, max_rank)
+    files = dataclasses.replace(files, header_sha256=hashlib.sha256(data).digest())
+    _remember(cache_key, _Described(cfg, dict(files.keys), dict(files.where), dict(files.shapes),
+                                    dict(files.rows), dict(files.magnitudes), files.header_sha256))
+    return files
+
+
+def _describe(d: Path, f: Path, header: dict[str, dict], signature: tuple[int, ...], spec: LoraSpec,
+              cfg: ModelConfig, max_rank: int) -> AdapterFiles:
+    """describe_adapter's walk over the header's tensors (raises ValueError naming what does not fit)."""
     served = model_modules(cfg.fused_projections, cfg.moe is not None)
     parts: dict[tuple[int, str], dict[str, tuple[str, dict]]] = {}
     mags: dict[tuple[int, str], tuple[str, dict]] = {}
     nested: dict[tuple[int, int], dict[str, tuple[str, dict]]] = {}     # (layer, depth) -> an expert LoRA
-    for key, info in read_header(f).items():
+    for key, info in header.items():
         e = _EXPERT_KEY.match(key)
         if e:
             nested.setdefault((int(e.group(1)), e.group(2).count(".")), {})[e.group(3)] = (key, info)

@@ -89,7 +89,7 @@ def packs_in_place(files: AdapterFiles, dtype: torch.dtype, packer: LoraPacker) 
 
 
 def pack_in_place(files: AdapterFiles, layout: PackedLayout, storage: torch.Tensor, pages: list[int],
-                  dtype: torch.dtype, packer, pace=_no_pause) -> None:
+                  dtype: torch.dtype, packer, pace=_no_pause, helper: "Helper | None" = None) -> None:
     """The adapter's weights from its file straight into its pages of the pool (host memory): the ranges the
     kernels read as zeros zeroed (`layout.gaps`; the pages held other data before), then every tensor read
     once (memory-mapped), converted and placed; no staging copy."""
@@ -99,22 +99,24 @@ def pack_in_place(files: AdapterFiles, layout: PackedLayout, storage: torch.Tens
         pace()
         at = pages[start // pe] * pe + start % pe
         flat[at:at + n].zero_()
-    _pack_from_file(files, layout, packer, storage, dtype, pace, pages)
+    _pack_from_file(files, layout, packer, storage, dtype, pace, pages, helper)
 
 
 def _pack_from_file(files: AdapterFiles, layout: PackedLayout, packer, flat: torch.Tensor, dtype: torch.dtype,
-                    pace, pages: list[int] | None = None) -> None:
+                    pace, pages: list[int] | None = None, helper: "Helper | None" = None) -> None:
     """The backend's one-pass packer over the file, memory-mapped (copy-on-write: never written); into
-    `flat`'s rows `pages` when given (see GroupPacker.pack_file)."""
+    `flat`'s rows `pages` when given (see GroupPacker.pack_file); with `helper`, on two threads while the
+    engine has nothing else to run. The mapping is faulted in by the packing itself, piece by piece (the
+    kernel maps 16 pages a fault): measured as fast as mapping it all first on one thread (MADV_POPULATE_READ,
+    one call that no pace() can interrupt) and faster on two."""
     if files_signature(files.path) != files.signature:
         raise ValueError(f"adapter: {files.weights} changed on disk since it was registered")
     with open(files.weights, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
         if len(mm) != files.nbytes:
             raise ValueError(f"adapter: {files.weights} changed on disk since it was registered")
-        _populate(mm)
         view = ctypes.c_char.from_buffer(mm)
         try:
-            bad = packer.pack_file(layout, files.where, ctypes.addressof(view), flat, pace, pages)
+            bad = packer.pack_file(layout, files.where, ctypes.addressof(view), flat, pace, pages, helper)
         finally:
             del view
     if bad is not None:
@@ -122,13 +124,29 @@ def _pack_from_file(files: AdapterFiles, layout: PackedLayout, packer, flat: tor
         raise ValueError(f"adapter: {module_path(layer, module)}.{name} holds NaN or infinite values (in {dtype})")
 
 
-MADV_POPULATE_READ = 22      # Linux 5.14+: map every page of the file at once (no fault per 4 KiB page)
+class Helper:
+    """A second thread for a load while the engine waits for loads with nothing else to run (`alone` set:
+    AdapterManager.wait_loads): then no forward pass computes, so a job may take both cores for its pieces.
+    The moment the engine may step again the flag is cleared and jobs go back to one thread."""
 
+    def __init__(self) -> None:
+        self.alone = threading.Event()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="loraplex-loader-helper", initializer=_init_thread)
 
-def _populate(mm: mmap.mmap) -> None:
-    """Map the whole file in one call: faulting it in page by page costs about as much as the packing."""
-    with contextlib.suppress(OSError, ValueError):
-        mm.madvise(MADV_POPULATE_READ)
+    def wide(self) -> bool:
+        return self.alone.is_set()
+
+    def both(self, here, there):
+        """-> (here(), there()), `there` on the helper thread meanwhile."""
+        f = self._pool.submit(there)
+        try:
+            a = here()
+        finally:
+            b = f.result()
+        return a, b
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def write_pages(storage: torch.Tensor, pages: list[int], packed: torch.Tensor, pace=_no_pause) -> None:
@@ -166,6 +184,7 @@ class AdapterLoader:
         self.cuda = on_gpu
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="loraplex-loader",
                                        initializer=_init_thread)
+        self.helper = Helper()                  # a second thread while the engine waits with nothing to run
         self.hold = threading.Event()           # tests: clear() to make every job wait (pause / resume)
         self.hold.set()
         self.gate = threading.Event()           # set while no step computes: jobs run at full speed then
@@ -200,7 +219,8 @@ class AdapterLoader:
             self._loads_waiting -= 1
         self.hold.wait()
         if packed is None and not self.cuda and packs_in_place(files, self.dtype, self.packer):
-            pack_in_place(files, layout, self.storage, pages, self.dtype, self.packer, pace=self._pace)
+            pack_in_place(files, layout, self.storage, pages, self.dtype, self.packer, pace=self._pace,
+                          helper=self.helper)
             self._write_dora(files, layout, self.storage, pages)
             return Loaded(None, None)
         host = packed
@@ -280,3 +300,4 @@ class AdapterLoader:
     def close(self) -> None:
         self.hold.set()
         self.pool.shutdown(wait=True, cancel_futures=True)
+        self.helper.close()

@@ -12,7 +12,9 @@ several and none crosses a page boundary; an adapter's bytes are its own rank's,
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kernels.cpu import lora as c_lora
@@ -22,6 +24,7 @@ from kernels.lora_layout import GROUP_MODULES, GROUP_OF, GroupBlock, ModuleSlice
 ALIGN = 32   # elements: 64 bytes in bf16
 SRC_DTYPES = {"F32": 0, "BF16": 1, "F16": 2}     # file dtypes lora_pack.c reads
 CHUNK = 1 << 17                                  # elements pack_file writes between two pace() calls
+WIDE = 4                                         # chunks each thread takes at once on two threads
 PLANS_KEPT = 64                                  # layouts remembered by shapes (GroupPacker.plan)
 
 
@@ -29,6 +32,41 @@ class _Piece(ctypes.Structure):
     _fields_ = [("src", ctypes.c_int64), ("dst", ctypes.c_int64), ("rows", ctypes.c_int32), ("cols", ctypes.c_int32),
                 ("kind", ctypes.c_int32), ("G", ctypes.c_int32), ("g", ctypes.c_int32), ("src_dtype", ctypes.c_int32),
                 ("scale", ctypes.c_float)]
+
+
+# _Piece as a numpy record (pack_file's tables: built once per recipe, offsets remapped with one vector op)
+_PIECE = np.dtype([("src", np.int64), ("dst", np.int64), ("rows", np.int32), ("cols", np.int32),
+                   ("kind", np.int32), ("G", np.int32), ("g", np.int32), ("src_dtype", np.int32),
+                   ("scale", np.float32)], align=True)
+assert _PIECE.itemsize == ctypes.sizeof(_Piece)
+
+
+class _PieceTable(NamedTuple):
+    layout: PackedLayout                     # the table is for this layout object
+    pieces: np.ndarray                       # [n] of _PIECE: A, B of each module, in the file's order
+    names: list[tuple[tuple[int, str], str]]  # each piece's (layer, module), "lora_A" / "lora_B"
+    chunks: list[tuple[int, int]]            # pieces [start, end) of about CHUNK elements: one C call each
+
+
+def _piece_table(layout: PackedLayout, where, paired: bool) -> _PieceTable:
+    rows, names, sizes = [], [], []
+    for key, ((da, sa, _), (db, sb, _)) in sorted(where.items()):
+        layer, module = key
+        g, i = GROUP_OF[module]
+        blk = layout.blocks[(layer, g)]
+        ms = layout.modules[key]
+        G = len(GROUP_MODULES[g])
+        rows.append((sa, blk.a_offset, ms.rank, ms.n_in, 0, G, i, SRC_DTYPES[da], 0.0))
+        rows.append((sb, blk.b_offsets[i], ms.n_out, ms.rank, 2 if paired else 1, G, i, SRC_DTYPES[db], ms.scale))
+        names += [(key, "lora_A"), (key, "lora_B")]
+        sizes += [ms.rank * ms.n_in, ms.rank * ms.n_out]
+    chunks, start, done = [], 0, 0
+    for end in range(1, len(rows) + 1):
+        done += sizes[end - 1]
+        if done >= CHUNK or end == len(rows):
+            chunks.append((start, end))
+            start, done = end, 0
+    return _PieceTable(layout, np.array(rows, dtype=_PIECE), names, chunks)
 
 
 _FN: object = False
@@ -48,6 +86,7 @@ class GroupPacker:
     def __init__(self, dtype: torch.dtype):
         self.paired = c_lora.pairs_b(dtype)
         self._plans: dict = {}      # (page_elems, shapes) -> PackedLayout, least recently planned first
+        self._tables: dict = {}     # (layout, where) -> _PieceTable, least recently used first
 
     def b_elems(self, rank: int, out: int) -> int:
         return ((rank + 1) // 2) * 2 * out if self.paired else rank * out
@@ -157,44 +196,52 @@ class GroupPacker:
         return dtype in (torch.bfloat16, torch.float32) and set(dtypes) <= set(SRC_DTYPES) and _fn() is not None
 
     def pack_file(self, layout: PackedLayout, where, address: int, flat: torch.Tensor, pace,
-                  pages: list[int] | None = None) -> tuple | None:
+                  pages: list[int] | None = None, helper=None) -> tuple | None:
         """Every module straight from the file's bytes at `address` into `flat` (zeroed): where[(layer, module)]
         = ((dtype, first byte, end byte) of A, of B), as AdapterFiles.where. The same bits as place().
         pages: write into these rows of `flat` [num_pages, page_elems] (the pool itself; its pages zeroed)
         instead of one contiguous space: a block never crosses a page, so each piece lands whole in one.
-        Calls pace() between pieces of about CHUNK elements. -> None, or ((layer, module), "lora_A" or
+        Calls pace() between pieces of about CHUNK elements; runs two pieces at once on `helper`'s second
+        thread while helper.wide() (engine/lora/loader.py: Helper). -> None, or ((layer, module), "lora_A" or
         "lora_B") of the first tensor holding NaN or infinity in the model dtype."""
-        if pages is None:
-            def at(e: int) -> int:
-                return e
-        else:
+        table = self._pieces(layout, where)
+        pieces = table.pieces
+        if pages is not None:                   # flat offsets -> the pages' rows of `flat`
             pe = flat.shape[1]
-
-            def at(e: int) -> int:
-                return pages[e // pe] * pe + e % pe
-        pieces, names, sizes = [], [], []
-        for key, ((da, sa, _), (db, sb, _)) in sorted(where.items()):
-            layer, module = key
-            g, i = GROUP_OF[module]
-            blk = layout.blocks[(layer, g)]
-            ms = layout.modules[key]
-            G = len(GROUP_MODULES[g])
-            pieces.append(_Piece(sa, at(blk.a_offset), ms.rank, ms.n_in, 0, G, i, SRC_DTYPES[da], 0.0))
-            pieces.append(_Piece(sb, at(blk.b_offsets[i]), ms.n_out, ms.rank, 2 if self.paired else 1, G, i,
-                                 SRC_DTYPES[db], ms.scale))
-            names += [(key, "lora_A"), (key, "lora_B")]
-            sizes += [ms.rank * ms.n_in, ms.rank * ms.n_out]
-        array = (_Piece * len(pieces))(*pieces)
+            pieces = pieces.copy()
+            dst = pieces["dst"]
+            pieces["dst"] = np.asarray(pages, dtype=np.int64)[dst // pe] * pe + dst % pe
+        base, out = pieces.ctypes.data, flat.data_ptr()
         bf16 = int(flat.dtype == torch.bfloat16)
-        start, done = 0, 0
-        for end in range(1, len(pieces) + 1):
-            done += sizes[end - 1]
-            if done < CHUNK and end < len(pieces):
-                continue
+
+        def run(start: int, end: int):
+            rc = _fn()(address, base + start * _PIECE.itemsize, end - start, out, bf16)
+            return None if rc >= 0 else table.names[start - rc - 1]
+        chunks, i = table.chunks, 0
+        while i < len(chunks):
             pace()
-            rc = _fn()(address, ctypes.addressof(array) + start * ctypes.sizeof(_Piece), end - start,
-                       flat.data_ptr(), bf16)
-            if rc < 0:
-                return names[start - rc - 1]
-            start, done = end, 0
+            if helper is not None and i + 1 < len(chunks) and helper.wide():
+                # WIDE chunks on each of two threads: fewer hand-overs (each ~40 us)
+                n = min(WIDE, (len(chunks) - i + 1) // 2)
+                mine, theirs = chunks[i:i + n], chunks[i + n:i + 2 * n]
+                bad = helper.both(lambda c=mine: next(filter(None, (run(*x) for x in c)), None),
+                                  lambda c=theirs: next(filter(None, (run(*x) for x in c)), None))
+                i += len(mine) + len(theirs)
+            else:
+                bad = (run(*chunks[i]),)
+                i += 1
+            if any(bad):
+                return next(b for b in bad if b)
         return None
+
+    def _pieces(self, layout: PackedLayout, where) -> "_PieceTable":
+        """pack_file's pieces of an adapter (flat offsets): adapters of one recipe share their layout and
+        their header's offsets, so the last PLANS_KEPT tables are kept (building one is ~1 ms of Python)."""
+        key = (id(layout), tuple(where.items()))
+        table = self._tables.pop(key, None)
+        if table is None or table.layout is not layout:
+            table = _piece_table(layout, where, self.paired)
+        self._tables[key] = table
+        while len(self._tables) > PLANS_KEPT:
+            del self._tables[next(iter(self._tables))]
+        return table

@@ -275,24 +275,48 @@ static void segments_for(const uint16_t *x, int64_t x_stride, uint16_t *y, int64
     float *vt = on_amx ? (float *)malloc(sizeof(float) * MAX_RANK_ROWS * AT) : NULL;
     int filled = AT;        /* xp's columns that may be non-zero */
 #endif
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < tasks; task++) {
-        const int64_t i = task_seg[task], first = task_first[task];
-        const int nt = (int)(seg_start[i + 1] - first < tt ? seg_start[i + 1] - first : tt);
-        const int64_t s = seg_slot[i];
-        const int r = (int)seg_rank[i];
 #if GEMM_AMX
-        if (on_amx && xp && vt) {
+    if (on_amx) {       /* this thread's static share of the tasks, the next one's bytes prefetched meanwhile */
+        const int nth = omp_get_num_threads(), me = omp_get_thread_num();
+        const int64_t lo = tasks * me / nth, hi = tasks * (me + 1) / nth;
+        walker *pf = (walker *)malloc(sizeof(walker));
+        for (int64_t task = lo; task < hi; task++) {
+            const int64_t i = task_seg[task], first = task_first[task];
+            const int nt = (int)(seg_start[i + 1] - first < tt ? seg_start[i + 1] - first : tt);
+            const int64_t s = seg_slot[i];
+            const int r = (int)seg_rank[i];
+            if (!xp || !vt) {
+                segment_tiles(x, x_stride, y, y_stride, tok, first, nt, a[s], b + s * G, r, G, in, out);
+                continue;
+            }
             const uint16_t *xs[AT];
             uint16_t *ys[AT];
             for (int t = 0; t < nt; t++) {
                 xs[t] = x + tok[first + t] * x_stride;
                 ys[t] = y + tok[first + t] * y_stride;
             }
-            task_amx(xs, ys, nt, a[s], b + s * G, r, G, in, out, xp, &filled, vt);
-            continue;
+            walker *w = NULL;
+            if (pf && task + 1 < hi && seg_slot[task_seg[task + 1]] != s) {
+                const int64_t s2 = seg_slot[task_seg[task + 1]];
+                walk_task(pf, a[s2], (int)seg_rank[task_seg[task + 1]], G, in, b + s2 * G, out,
+                          task_amx_steps(r, G, in, out));
+                w = pf;
+            }
+            task_amx(xs, ys, nt, a[s], b + s * G, r, G, in, out, xp, &filled, vt, w);
         }
+        free(pf);
+        free(xp);
+        free(vt);
+#pragma omp barrier
+        return;
+    }
 #endif
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t i = task_seg[task], first = task_first[task];
+        const int nt = (int)(seg_start[i + 1] - first < tt ? seg_start[i + 1] - first : tt);
+        const int64_t s = seg_slot[i];
+        const int r = (int)seg_rank[i];
         segment_tiles(x, x_stride, y, y_stride, tok, first, nt, a[s], b + s * G, r, G, in, out);
     }
 #if GEMM_AMX

@@ -13,6 +13,7 @@
  * The tile configuration is per thread and the GEMM tiles set their own, so each step loads its own. */
 #pragma once
 #include "amx.h"
+#include "walker.h"
 
 #if GEMM_AMX
 #define AT 16            /* tokens per task on AMX */
@@ -51,7 +52,7 @@ static inline void transpose_pairs(const uint16_t *const *xs, int nt, int in, ui
 
 /* vt[row][t] = A[row] . x_t for row < rows, t < 16: four 16-row blocks of A per pass over k, the pass's
  * last block (tile 6) configured to the rows left, so no row past A's is read */
-static void shrink_amx(const uint32_t *xp, const uint16_t *as, int rows, int in, float *vt) {
+static void shrink_amx(const uint32_t *xp, const uint16_t *as, int rows, int in, float *vt, walker *pf) {
     for (int r0 = 0; r0 < rows; r0 += 64) {
         const int left = rows - r0 < 64 ? rows - r0 : 64, nblk = (left + 15) / 16, last = left - 16 * (nblk - 1);
         uint8_t tr[8] = {16, 16, 16, 16, 16, 16, (uint8_t)last, 0};
@@ -64,6 +65,7 @@ static void shrink_amx(const uint32_t *xp, const uint16_t *as, int rows, int in,
         if (nblk > 3) _tile_zero(3);
         const int64_t st = (int64_t)in * 2;
         for (int k = 0; k < in; k += 32) {
+            if (pf) walker_step(pf);
             _tile_loadd(5, xp + k / 2 * AT, AT * 4);
             const uint16_t *a0 = as + (int64_t)r0 * in + k;
             if (k + PF_K < in)      /* each row's line PF_K elements ahead: 16 strided streams a tile */
@@ -88,7 +90,7 @@ static void shrink_amx(const uint32_t *xp, const uint16_t *as, int rows, int in,
  * pair rows o * 2 apart); 64 columns (four C tiles) per pass over the ranks, 16 pairs per k step, the last
  * step's pairs (tiles 6, 7) configured to the ranks left, so no pair row past B's is read. */
 static void expand_amx(const uint16_t *bs, int64_t o, int r, const uint32_t *vg, int vs, int nt,
-                       uint16_t *const *ys, int64_t col) {
+                       uint16_t *const *ys, int64_t col, walker *pf) {
     const int P = (r + 1) / 2, full = P / 16 * 16, rem = P - full;
     const uint8_t tr[8] = {(uint8_t)nt, (uint8_t)nt, (uint8_t)nt, (uint8_t)nt, full ? (uint8_t)nt : 0, full ? 16 : 0,
                            rem ? (uint8_t)nt : 0, (uint8_t)rem};
@@ -97,6 +99,7 @@ static void expand_amx(const uint16_t *bs, int64_t o, int r, const uint32_t *vg,
     float sums[AT * 64];
     for (int64_t c = 0; c < o; c += 64) {
         const int nc = (int)(o - c < 64 ? (o - c) / 16 : 4);
+        if (pf) walker_step(pf);
         if (c + 64 < o)             /* the next 64 columns' lines of every pair row */
             for (int p = 0; p < P; p++)
                 for (int q = 0; q < 4 && c + 64 + 16 * q < o; q++)
@@ -137,9 +140,9 @@ static void expand_amx(const uint16_t *bs, int64_t o, int r, const uint32_t *vg,
  * in * AT / 2 pairs (64-byte aligned, *filled its non-zero columns: transpose_pairs); vt: of r G x AT floats. */
 static void task_amx(const uint16_t *const *xs, uint16_t *const *ys, int nt, const uint16_t *as,
                      const uint16_t *const *bs, int r, int G, int in, const int64_t *out, uint32_t *xp, int *filled,
-                     float *vt) {
+                     float *vt, walker *pf) {
     transpose_pairs(xs, nt, in, xp, filled);
-    shrink_amx(xp, as, r * G, in, vt);
+    shrink_amx(xp, as, r * G, in, vt, pf);
     const int P = (r + 1) / 2, vs = (P + 15) / 16 * 16;
     uint32_t vg[AT * 128];
     int64_t col = 0;
@@ -150,8 +153,24 @@ static void task_amx(const uint16_t *const *xs, uint16_t *const *ys, int nt, con
                 const float hi = 2 * kk + 1 < r ? vt[((2 * kk + 1) * G + g) * AT + t] : 0.f;
                 vg[t * vs + kk] = bf16_pair(lo, hi);
             }
-        expand_amx(bs[g], out[g], r, vg, vs, nt, ys, col);
+        expand_amx(bs[g], out[g], r, vg, vs, nt, ys, col, pf);
         col += out[g];
     }
+}
+
+/* walker steps task_amx takes (shrink k steps, expand column blocks) */
+static inline int64_t task_amx_steps(int r, int G, int in, const int64_t *out) {
+    int64_t n = (int64_t)((r * G + 63) / 64) * (in / 32);
+    for (int g = 0; g < G; g++) n += (out[g] + 63) / 64;
+    return n;
+}
+
+/* pf: the bytes of a task (adapter as / bs, rank r) spread over `steps` walker steps */
+static inline void walk_task(walker *pf, const uint16_t *as, int r, int G, int in, const uint16_t *const *bs,
+                             const int64_t *out, int64_t steps) {
+    walker_reset(pf);
+    walker_add(pf, as, (int64_t)r * G * in * 2);
+    for (int g = 0; g < G; g++) walker_add(pf, bs[g], (int64_t)(r + 1) / 2 * out[g] * 4);
+    pf->per_step = (int)(walker_lines(pf) / (steps > 0 ? steps : 1)) + 1;
 }
 #endif

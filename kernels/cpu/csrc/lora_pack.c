@@ -13,6 +13,9 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#ifdef __AVX512BW__
+#include <immintrin.h>
+#endif
 
 typedef struct pack_piece {
     int64_t src;        /* byte offset of the tensor in `data` */
@@ -122,8 +125,94 @@ DEFINE_PACK(f32_f32, load_f32, float, to_f32, f32_val)
 DEFINE_PACK(bf16_f32, load_bf16, float, to_f32, f32_val)
 DEFINE_PACK(f16_f32, load_f16, float, to_f32, f32_val)
 
+#ifdef __AVX512BW__
+/* The fp32 -> bf16 pieces with AVX-512 and non-temporal stores (the packed adapter is not read again
+ * before a step streams it in: writing around the caches saves reading every destination line first).
+ * f32_to_bf16's rounding, 16 at a time: the same bits. */
+static inline __m256i cvt16_bf16(__m512 v, __mmask16 *bad) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                              _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))), 16);
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    const __m512i h = _mm512_mask_blend_epi32(nan, rounded, quiet);
+    *bad |= _mm512_cmpeq_epi32_mask(_mm512_and_si512(h, _mm512_set1_epi32(0x7f80)), _mm512_set1_epi32(0x7f80));
+    return _mm512_cvtepi32_epi16(h);
+}
+
+#define PF_AHEAD 1024    /* source floats read ahead (4 KiB) */
+
+/* 32 converted values -> 64 bytes at d (64-byte aligned): one streamed line */
+static inline void put32(uint16_t *d, __m256i lo, __m256i hi) {
+    _mm512_stream_si512((__m512i *)d, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+}
+
+/* kind 0 from fp32: each rank's row of `cols` (a multiple of 32, rows 64-byte aligned) */
+static int f32_bf16_a_stream(const float *restrict src, const pack_piece *p, uint16_t *restrict out, uint32_t *bad) {
+    uint16_t *first = out + p->dst + (int64_t)p->g * p->cols;
+    if (p->cols % 32 || ((uintptr_t)first | (uintptr_t)(p->G * p->cols * 2)) % 64) return 0;
+    __mmask16 b = 0;
+    for (int64_t k = 0; k < p->rows; k++) {
+        uint16_t *d = out + p->dst + (k * p->G + p->g) * p->cols;
+        const float *s = src + k * p->cols;
+        for (int64_t j = 0; j < p->cols; j += 32) {
+            _mm_prefetch((const char *)(s + j + PF_AHEAD), _MM_HINT_T0);
+            _mm_prefetch((const char *)(s + j + PF_AHEAD + 16), _MM_HINT_T0);
+            put32(d + j, cvt16_bf16(_mm512_loadu_ps(s + j), &b), cvt16_bf16(_mm512_loadu_ps(s + j + 16), &b));
+        }
+    }
+    *bad = b != 0;
+    return 1;
+}
+
+/* kind 2 from fp32, r even and <= 64, out a multiple of 16: JB rows of B (all r ranks: one contiguous run)
+ * converted into a tile, whose adjacent rank pairs are 32-bit words; pair row q of the tile's JB rows is
+ * then words q, q + r / 2, ... gathered 16 at a time and streamed (out * 4 bytes per pair row, 64-aligned) */
+static int f32_bf16_b_stream(const float *restrict src, const pack_piece *p, uint16_t *restrict out, uint32_t *bad) {
+    const int64_t n_out = p->rows, r = p->cols, P = r / 2;
+    uint16_t *first = out + p->dst;
+    if (p->kind != 2 || r % 2 || r > 64 || n_out % 16 || ((uintptr_t)first | (uintptr_t)(n_out * 4)) % 64) return 0;
+    const float scale = p->scale;
+    uint32_t tile[JB * 32];
+    __mmask16 b = 0, unused = 0;
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32((int)P));
+    for (int64_t j0 = 0; j0 < n_out; j0 += JB) {
+        const int64_t nj = j0 + JB < n_out ? JB : n_out - j0, n = nj * r;
+        const float *s = src + j0 * r;
+        uint16_t *t16 = (uint16_t *)tile;
+        int64_t t = 0;
+        for (; t + 16 <= n; t += 16) {          /* bf16(bf16(B) * scale), as the scalar path */
+            _mm_prefetch((const char *)(s + t + PF_AHEAD), _MM_HINT_T0);
+            const __m256i h = cvt16_bf16(_mm512_loadu_ps(s + t), &b);
+            const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+            _mm256_storeu_si256((__m256i *)(t16 + t), cvt16_bf16(_mm512_mul_ps(v, _mm512_set1_ps(scale)), &unused));
+        }
+        for (; t < n; t++) {
+            uint32_t bb = 0, uu = 0;
+            t16[t] = to_bf16(bf16_val(to_bf16(s[t], &bb)) * scale, &uu);
+            b |= bb != 0;
+        }
+        for (int64_t q = 0; q < P; q++) {
+            uint16_t *d = first + q * 2 * n_out + 2 * j0;
+            for (int64_t j = 0; j < nj; j += 16)
+                _mm512_stream_si512((__m512i *)(d + 2 * j),
+                                    _mm512_i32gather_epi32(idx, (const int *)(tile + j * P + q), 4));
+        }
+    }
+    *bad = b != 0;
+    return 1;
+}
+#endif
+
 static uint32_t pack_piece_bf16(const uint8_t *src, const pack_piece *p, void *out) {
     uint16_t *o = (uint16_t *)out;
+#ifdef __AVX512BW__
+    uint32_t bad = 0;
+    if (p->src_dtype == 0 && p->kind == 0 && f32_bf16_a_stream((const float *)src, p, o, &bad)) return bad;
+    if (p->src_dtype == 0 && p->kind == 2 && f32_bf16_b_stream((const float *)src, p, o, &bad)) return bad;
+#endif
     switch (p->src_dtype * 2 + (p->kind != 0)) {
     case 0: return f32_bf16_a(src, p, o);
     case 1: return f32_bf16_b(src, p, o);
@@ -152,7 +241,15 @@ int pack_lora(const uint8_t *data, const pack_piece *pieces, int n, void *out, i
     for (int i = 0; i < n; i++) {
         const pack_piece *p = pieces + i;
         const uint32_t bad = bf16 ? pack_piece_bf16(data + p->src, p, out) : pack_piece_f32(data + p->src, p, out);
-        if (bad) return -(1 + i);
+        if (bad) {
+#ifdef __AVX512BW__
+            _mm_sfence();
+#endif
+            return -(1 + i);
+        }
     }
+#ifdef __AVX512BW__
+    _mm_sfence();           /* the streamed lines are written before the caller hands the pages on */
+#endif
     return 0;
 }

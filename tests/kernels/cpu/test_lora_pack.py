@@ -1,6 +1,7 @@
 """The C packer reads an adapter straight from its safetensors file into the CPU kernels' layout with the
-bits of the torch path (GroupPacker.place), from float32, bfloat16 and float16 files, and names the first
-tensor holding NaN or infinity."""
+bits of the torch path (GroupPacker.place), from float32, bfloat16 and float16 files, on one thread or two,
+and names the first tensor holding NaN or infinity. Ranks: 5 (odd: B's scalar path), 8 and 64 (float32 to
+bfloat16: AVX-512's streamed A and paired B where the CPU has it), 70 (B's ranks in two column tiles)."""
 import ctypes
 import mmap
 
@@ -9,6 +10,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.lora.host_adapter import read_header
+from engine.lora.loader import Helper
 from kernels.cpu import lora_pack
 from kernels.cpu.lora_pack import GroupPacker
 from tests.engine.lora.synthetic import SHAPES
@@ -35,19 +37,28 @@ def write(path, src_dtype, rank=5, poison=None):
     return tensors, shapes, where
 
 
-def pack_file(packer, layout, where, path, flat):
+def pack_file(packer, layout, where, path, flat, helper=None):
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
         view = ctypes.c_char.from_buffer(mm)
         try:
-            return packer.pack_file(layout, where, ctypes.addressof(view), flat, lambda: None)
+            return packer.pack_file(layout, where, ctypes.addressof(view), flat, lambda: None, helper=helper)
         finally:
             del view
+
+
+@pytest.fixture
+def two_threads():
+    """The loader's helper as it is while the engine waits for loads with nothing else to run."""
+    helper = Helper()
+    helper.alone.set()
+    yield helper
+    helper.close()
 
 
 @needs_c
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rank", [5, 70])          # 70: B's ranks in two column tiles of the C packer
+@pytest.mark.parametrize("rank", [5, 8, 64, 70])
 def test_the_c_packer_gives_the_torch_paths_bits(tmp_path, dtype, src_dtype, rank, monkeypatch):
     monkeypatch.setattr(lora_pack, "CHUNK", 1000)            # many pieces of calls, as for a large adapter
     tensors, shapes, where = write(tmp_path / "w.safetensors", src_dtype, rank)
@@ -64,12 +75,37 @@ def test_the_c_packer_gives_the_torch_paths_bits(tmp_path, dtype, src_dtype, ran
 
 
 @needs_c
-def test_the_c_packer_names_a_tensor_that_is_not_finite(tmp_path):
-    _, shapes, where = write(tmp_path / "w.safetensors", torch.float32, poison="1.up_proj.B")
+@pytest.mark.parametrize("rank", [5, 8])
+@pytest.mark.parametrize("poison", ["1.up_proj.B", "0.o_proj.A"])
+@pytest.mark.parametrize("wide", [False, True])
+def test_the_c_packer_names_a_tensor_that_is_not_finite(tmp_path, rank, poison, wide, two_threads, monkeypatch):
+    monkeypatch.setattr(lora_pack, "CHUNK", 1000)
+    _, shapes, where = write(tmp_path / "w.safetensors", torch.float32, rank, poison=poison)
     packer = GroupPacker(torch.bfloat16)
     layout = packer.plan(shapes, PAGE)
     flat = torch.zeros(layout.num_pages(PAGE) * PAGE, dtype=torch.bfloat16)
-    assert pack_file(packer, layout, where, tmp_path / "w.safetensors", flat) == ((1, "up_proj"), "lora_B")
+    layer, module, ab = poison.split(".")
+    got = pack_file(packer, layout, where, tmp_path / "w.safetensors", flat, two_threads if wide else None)
+    assert got == ((int(layer), module), f"lora_{ab}")
+
+
+@needs_c
+@pytest.mark.parametrize("rank", [5, 8])
+def test_two_threads_pack_the_bits_one_thread_packs(tmp_path, rank, two_threads, monkeypatch):
+    monkeypatch.setattr(lora_pack, "CHUNK", 1000)            # many pieces: both threads take several
+    _, shapes, where = write(tmp_path / "w.safetensors", torch.float32, rank)
+    packer = GroupPacker(torch.bfloat16)
+    layout = packer.plan(shapes, PAGE)
+    one = torch.zeros(layout.num_pages(PAGE) * PAGE, dtype=torch.bfloat16)
+    two = torch.zeros_like(one)
+    calls = []
+    real = two_threads.both
+    two_threads.both = lambda f, g: calls.append(1) or real(f, g)
+    assert pack_file(packer, layout, where, tmp_path / "w.safetensors", one) is None
+    assert not calls
+    assert pack_file(packer, layout, where, tmp_path / "w.safetensors", two, two_threads) is None
+    assert calls                                               # it did run on two threads
+    assert torch.equal(one.view(torch.int16), two.view(torch.int16))
 
 
 @needs_c
