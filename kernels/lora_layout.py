@@ -144,6 +144,20 @@ class LoraPacker:
             off += r * (n_in + n_out)
         return PackedLayout(mods, off)
 
+    def can_pack_file(self, dtypes, dtype: torch.dtype) -> bool:
+        """Whether pack_file reads tensors of these safetensors dtypes into `dtype` here: the CPU backend's C
+        packer (kernels/cpu/lora_pack.py), which also writes this layout (each tensor one converted run)."""
+        from kernels.cpu import lora_pack
+        return lora_pack.can_pack_file(dtypes, dtype)
+
+    def pack_file(self, layout: PackedLayout, where, address: int, flat: torch.Tensor, pace,
+                  pages: Sequence[int] | None = None, helper=None) -> tuple | None:
+        """Every tensor straight from the file mapped at `address` into `flat` (or its rows `pages`), the
+        bits of place(); see GroupPacker.pack_file. Used by the loader for a GPU's staging rows and a CPU
+        pool under this layout; -> None, or the (key, name) of the first tensor holding NaN or infinity."""
+        from kernels.cpu import lora_pack
+        return lora_pack.ROW_MAJOR.pack_file(layout, where, address, flat, pace, pages, helper)
+
     def place(self, layout: PackedLayout, key: tuple[int, str], a: torch.Tensor, b: torch.Tensor,
               flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """Write one module's A [r, in] and B [out, r] (any float dtype; converted to flat's) into the flat

@@ -60,7 +60,8 @@ def _no_pause() -> None:
 
 
 def read_packed(files: AdapterFiles, layout: PackedLayout, page_elems: int, dtype: torch.dtype,
-                packer: LoraPacker | None = None, pin: bool = False, pace=_no_pause) -> torch.Tensor:
+                packer: LoraPacker | None = None, pin: bool = False, pace=_no_pause,
+                helper: "Helper | None" = None) -> torch.Tensor:
     """The adapter's weights straight into its page rows, in `packer`'s layout: -> [num_pages, page_elems] in
     `dtype`, zero where the layout leaves gaps; each tensor is read once (memory-mapped) and converted as it
     is copied into place. pace(): called before each module (the loader rests there while a step computes)."""
@@ -71,7 +72,7 @@ def read_packed(files: AdapterFiles, layout: PackedLayout, page_elems: int, dtyp
         pace()
         flat[start:start + page_elems].zero_()
     if packs_in_place(files, dtype, packer):
-        _pack_from_file(files, layout, packer, flat, dtype, pace)
+        _pack_from_file(files, layout, packer, flat, dtype, pace, helper=helper)
         return flat.view(-1, page_elems)
     modules = files.read() if hasattr(files, "read") else mapped_weights(files)    # a composition: its own
     for key, a, b in modules:
@@ -228,7 +229,7 @@ class AdapterLoader:
             packed = packed.dequantize(self.dtype, pin=self.cuda)
         if packed is None:
             packed = read_packed(files, layout, self.page_elems, self.dtype, self.packer, pin=self.cuda,
-                                 pace=self._pace)
+                                 pace=self._pace, helper=self.helper)
             self._write_dora(files, layout, packed, range(packed.shape[0]))
             host = Int8Pages.quantize(packed) if self.host_int8 else packed
         if not self.cuda:

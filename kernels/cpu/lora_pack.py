@@ -12,6 +12,7 @@ several and none crosses a page boundary; an adapter's bytes are its own rank's,
 from __future__ import annotations
 
 import ctypes
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -23,6 +24,7 @@ from kernels.lora_layout import GROUP_MODULES, GROUP_OF, GroupBlock, ModuleSlice
 
 ALIGN = 32   # elements: 64 bytes in bf16
 SRC_DTYPES = {"F32": 0, "BF16": 1, "F16": 2}     # file dtypes lora_pack.c reads
+ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2}
 CHUNK = 1 << 17                                  # elements pack_file writes between two pace() calls
 WIDE = 4                                         # chunks each thread takes at once on two threads
 PLANS_KEPT = 64                                  # layouts remembered by shapes (GroupPacker.plan)
@@ -60,13 +62,99 @@ def _piece_table(layout: PackedLayout, where, paired: bool) -> _PieceTable:
         rows.append((sb, blk.b_offsets[i], ms.n_out, ms.rank, 2 if paired else 1, G, i, SRC_DTYPES[db], ms.scale))
         names += [(key, "lora_A"), (key, "lora_B")]
         sizes += [ms.rank * ms.n_in, ms.rank * ms.n_out]
+    return _PieceTable(layout, np.array(rows, dtype=_PIECE), names, _chunks(sizes))
+
+
+def _row_major_table(layout: PackedLayout, where, page_elems: int) -> _PieceTable:
+    """The row-major layout's pieces (kernels/lora_layout.py: LoraPacker): each tensor one run of values,
+    split where the flat space crosses a page (page_elems; 0: one contiguous space)."""
+    rows, names, sizes = [], [], []
+    for key, ((da, sa, _), (db, sb, _)) in sorted(where.items()):
+        ms = layout.modules[key]
+        for name, dt, src, dst, n in (("lora_A", da, sa, ms.a_offset, ms.rank * ms.n_in),
+                                      ("lora_B", db, sb, ms.b_offset, ms.rank * ms.n_out)):
+            item = ITEMSIZE[dt]
+            while n > 0:
+                m = n if not page_elems else min(n, page_elems - dst % page_elems)
+                rows.append((src, dst, 1, m, 0, 1, 0, SRC_DTYPES[dt], 0.0))
+                names.append((key, name))
+                sizes.append(m)
+                src, dst, n = src + m * item, dst + m, n - m
+    return _PieceTable(layout, np.array(rows, dtype=_PIECE), names, _chunks(sizes))
+
+
+def _chunks(sizes: list[int]) -> list[tuple[int, int]]:
     chunks, start, done = [], 0, 0
-    for end in range(1, len(rows) + 1):
+    for end in range(1, len(sizes) + 1):
         done += sizes[end - 1]
-        if done >= CHUNK or end == len(rows):
+        if done >= CHUNK or end == len(sizes):
             chunks.append((start, end))
             start, done = end, 0
-    return _PieceTable(layout, np.array(rows, dtype=_PIECE), names, chunks)
+    return chunks
+
+
+def run_table(table: _PieceTable, address: int, flat: torch.Tensor, pace, pages: list[int] | None,
+              helper) -> tuple | None:
+    """Pack `table`'s pieces from the file mapped at `address` into `flat` (its rows `pages` when given: no
+    piece crosses a page), pace() between chunks, two chunks' runs at once on `helper` while helper.wide()
+    -> None, or the (key, name) of the first tensor holding NaN or infinity in flat's dtype."""
+    pieces = table.pieces
+    if pages is not None:                   # flat offsets -> the pages' rows of `flat`
+        pe = flat.shape[1]
+        pieces = pieces.copy()
+        dst = pieces["dst"]
+        pieces["dst"] = np.asarray(pages, dtype=np.int64)[dst // pe] * pe + dst % pe
+    base, out = pieces.ctypes.data, flat.data_ptr()
+    bf16 = int(flat.dtype == torch.bfloat16)
+
+    def run(start: int, end: int):
+        rc = _fn()(address, base + start * _PIECE.itemsize, end - start, out, bf16)
+        return None if rc >= 0 else table.names[start - rc - 1]
+
+    def run_all(chunks):
+        return next(filter(None, (run(*c) for c in chunks)), None)
+    chunks, i = table.chunks, 0
+    while i < len(chunks):
+        pace()
+        if helper is not None and i + 1 < len(chunks) and helper.wide():
+            n = min(WIDE, (len(chunks) - i + 1) // 2)   # WIDE chunks each: fewer hand-overs (~40 us each)
+            bad = helper.both(lambda c=chunks[i:i + n]: run_all(c), lambda c=chunks[i + n:i + 2 * n]: run_all(c))
+            i += 2 * n
+        else:
+            bad = (run(*chunks[i]),)
+            i += 1
+        if any(bad):
+            return next(b for b in bad if b)
+    return None
+
+
+class RowMajorFiles:
+    """pack_file for the row-major layout (LoraPacker): the C packer's runs, tables kept per recipe."""
+
+    def __init__(self) -> None:
+        self._tables: dict = {}
+        self._lock = threading.Lock()
+
+    def pack_file(self, layout: PackedLayout, where, address: int, flat: torch.Tensor, pace,
+                  pages: list[int] | None = None, helper=None) -> tuple | None:
+        pe = flat.shape[1] if pages is not None else 0
+        key = (id(layout), tuple(where.items()), pe)
+        with self._lock:
+            table = self._tables.pop(key, None)
+            if table is None or table.layout is not layout:
+                table = _row_major_table(layout, where, pe)
+            self._tables[key] = table
+            while len(self._tables) > PLANS_KEPT:
+                del self._tables[next(iter(self._tables))]
+        return run_table(table, address, flat, pace, pages, helper)
+
+
+ROW_MAJOR = RowMajorFiles()
+
+
+def can_pack_file(dtypes, dtype: torch.dtype) -> bool:
+    """Whether the C packer reads tensors of these safetensors dtypes into `dtype` here."""
+    return dtype in (torch.bfloat16, torch.float32) and set(dtypes) <= set(SRC_DTYPES) and _fn() is not None
 
 
 _FN: object = False
@@ -193,7 +281,7 @@ class GroupPacker:
 
     def can_pack_file(self, dtypes, dtype: torch.dtype) -> bool:
         """Whether pack_file reads tensors of these safetensors dtypes into `dtype` here (the C packer)."""
-        return dtype in (torch.bfloat16, torch.float32) and set(dtypes) <= set(SRC_DTYPES) and _fn() is not None
+        return can_pack_file(dtypes, dtype)
 
     def pack_file(self, layout: PackedLayout, where, address: int, flat: torch.Tensor, pace,
                   pages: list[int] | None = None, helper=None) -> tuple | None:
@@ -204,35 +292,7 @@ class GroupPacker:
         Calls pace() between pieces of about CHUNK elements; runs two pieces at once on `helper`'s second
         thread while helper.wide() (engine/lora/loader.py: Helper). -> None, or ((layer, module), "lora_A" or
         "lora_B") of the first tensor holding NaN or infinity in the model dtype."""
-        table = self._pieces(layout, where)
-        pieces = table.pieces
-        if pages is not None:                   # flat offsets -> the pages' rows of `flat`
-            pe = flat.shape[1]
-            pieces = pieces.copy()
-            dst = pieces["dst"]
-            pieces["dst"] = np.asarray(pages, dtype=np.int64)[dst // pe] * pe + dst % pe
-        base, out = pieces.ctypes.data, flat.data_ptr()
-        bf16 = int(flat.dtype == torch.bfloat16)
-
-        def run(start: int, end: int):
-            rc = _fn()(address, base + start * _PIECE.itemsize, end - start, out, bf16)
-            return None if rc >= 0 else table.names[start - rc - 1]
-        chunks, i = table.chunks, 0
-        while i < len(chunks):
-            pace()
-            if helper is not None and i + 1 < len(chunks) and helper.wide():
-                # WIDE chunks on each of two threads: fewer hand-overs (each ~40 us)
-                n = min(WIDE, (len(chunks) - i + 1) // 2)
-                mine, theirs = chunks[i:i + n], chunks[i + n:i + 2 * n]
-                bad = helper.both(lambda c=mine: next(filter(None, (run(*x) for x in c)), None),
-                                  lambda c=theirs: next(filter(None, (run(*x) for x in c)), None))
-                i += len(mine) + len(theirs)
-            else:
-                bad = (run(*chunks[i]),)
-                i += 1
-            if any(bad):
-                return next(b for b in bad if b)
-        return None
+        return run_table(self._pieces(layout, where), address, flat, pace, pages, helper)
 
     def _pieces(self, layout: PackedLayout, where) -> "_PieceTable":
         """pack_file's pieces of an adapter (flat offsets): adapters of one recipe share their layout and

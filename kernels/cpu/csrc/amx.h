@@ -11,6 +11,7 @@
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+long syscall(long number, ...);     /* glibc declares it only outside strict -std=c11 (an error on GCC >= 14) */
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];

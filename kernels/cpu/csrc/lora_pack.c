@@ -2,6 +2,8 @@
  * layout (kernels/cpu/lora_pack.py) in one pass: converted to the model dtype, B transposed, scaled and, for
  * AVX512-BF16, paired by ranks. Each piece is one tensor:
  *   kind 0, A [rows = r, cols = in]:   dst[(k * G + g) * in + j]            = cvt(A[k, j])
+ *           (rows = 1, G = 1: a run of `cols` values, as the row-major layout of kernels/lora_layout.py
+ *           writes every tensor: any alignment)
  *   kind 1, B [rows = out, cols = r]:  dst[k * out + j]                      = cvt(cvt(B[j, k]) * scale)
  *   kind 2, B, paired:                 dst[(k / 2) * 2 * out + 2 * j + k % 2] = cvt(cvt(B[j, k]) * scale)
  * cvt rounds to the model dtype (bf16: to nearest even, as torch's .to(); the product in fp32, as torch's
@@ -166,6 +168,29 @@ static int f32_bf16_a_stream(const float *restrict src, const pack_piece *p, uin
     return 1;
 }
 
+/* kind 0 with rows = G = 1 from fp32: a run of cols values at any 2-byte alignment (the row-major layout's
+ * tensors): to the first 64-byte boundary and past the last one value by value, between them streamed */
+static int f32_bf16_run_stream(const float *restrict src, const pack_piece *p, uint16_t *restrict out,
+                               uint32_t *bad) {
+    if (p->rows != 1 || p->G != 1) return 0;
+    uint16_t *d = out + p->dst;
+    const int64_t n = p->cols;
+    int64_t head = (int64_t)((64 - (uintptr_t)d % 64) % 64) / 2;
+    if (head > n) head = n;
+    uint32_t b = 0;
+    for (int64_t j = 0; j < head; j++) d[j] = to_bf16(src[j], &b);
+    __mmask16 m = 0;
+    int64_t j = head;
+    for (; j + 32 <= n; j += 32) {
+        _mm_prefetch((const char *)(src + j + PF_AHEAD), _MM_HINT_T0);
+        _mm_prefetch((const char *)(src + j + PF_AHEAD + 16), _MM_HINT_T0);
+        put32(d + j, cvt16_bf16(_mm512_loadu_ps(src + j), &m), cvt16_bf16(_mm512_loadu_ps(src + j + 16), &m));
+    }
+    for (; j < n; j++) d[j] = to_bf16(src[j], &b);
+    *bad = b != 0 || m != 0;
+    return 1;
+}
+
 /* kind 2 from fp32, r even and <= 64, out a multiple of 16: JB rows of B (all r ranks: one contiguous run)
  * converted into a tile, whose adjacent rank pairs are 32-bit words; pair row q of the tile's JB rows is
  * then words q, q + r / 2, ... gathered 16 at a time and streamed (out * 4 bytes per pair row, 64-aligned) */
@@ -210,6 +235,7 @@ static uint32_t pack_piece_bf16(const uint8_t *src, const pack_piece *p, void *o
     uint16_t *o = (uint16_t *)out;
 #ifdef __AVX512BW__
     uint32_t bad = 0;
+    if (p->src_dtype == 0 && p->kind == 0 && f32_bf16_run_stream((const float *)src, p, o, &bad)) return bad;
     if (p->src_dtype == 0 && p->kind == 0 && f32_bf16_a_stream((const float *)src, p, o, &bad)) return bad;
     if (p->src_dtype == 0 && p->kind == 2 && f32_bf16_b_stream((const float *)src, p, o, &bad)) return bad;
 #endif

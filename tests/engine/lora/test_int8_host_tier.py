@@ -62,7 +62,9 @@ def close(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(((got - want).abs() <= step / 2 + 1e-12).all())
 
 
-def test_a_load_from_an_int8_copy_is_the_adapter_within_the_rounding(tmp_path):
+def test_a_load_from_an_int8_copy_is_the_adapter_within_the_rounding(tmp_path, monkeypatch):
+    import engine.lora.loader as loader
+    monkeypatch.setattr(loader, "packs_in_place", lambda *a: False)  # the torch path (a GPU's, fp16): copy at load
     m, _ = manager(64)
     a = m.register("a", write_adapter(tmp_path / "a", r=3, targets=("q_proj", "down_proj")))
     assert m.start_load(a)

@@ -13,6 +13,7 @@ from engine.lora.host_adapter import read_header
 from engine.lora.loader import Helper
 from kernels.cpu import lora_pack
 from kernels.cpu.lora_pack import GroupPacker
+from kernels.lora_layout import LoraPacker
 from tests.engine.lora.synthetic import SHAPES
 
 needs_c = pytest.mark.skipif(lora_pack._fn() is None, reason="no C compiler here")
@@ -132,3 +133,50 @@ def test_packing_into_scattered_pages_gives_each_page_what_the_flat_space_has(tm
         assert torch.equal(pool[p], flat[i * page:(i + 1) * page]), i
     others = sorted(set(range(pool.shape[0])) - set(pages))
     assert not pool[others].any()                              # nothing written outside its pages
+
+
+@needs_c
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rank", [5, 8])
+def test_the_row_major_layout_packs_from_the_file_with_the_torch_paths_bits(tmp_path, dtype, src_dtype, rank,
+                                                                           monkeypatch):
+    """The Triton / reference backends' layout (LoraPacker: each tensor one run, runs at any alignment, split
+    where the flat space crosses a page) from the C packer: what a GPU's staging rows and a CPU pool under
+    that layout get."""
+    monkeypatch.setattr(lora_pack, "CHUNK", 1000)
+    tensors, shapes, where = write(tmp_path / "w.safetensors", src_dtype, rank)
+    packer = LoraPacker()
+    page = 1000                                                # odd-sized pages: runs split inside tensors
+    layout = packer.plan(shapes, page)
+    n = layout.num_pages(page)
+    want = torch.zeros(n * page, dtype=dtype)
+    for (layer, m) in shapes:
+        packer.place(layout, (layer, m), tensors[f"{layer}.{m}.A"], tensors[f"{layer}.{m}.B"], want)
+    assert packer.can_pack_file({d for p in where.values() for d, _, _ in p}, dtype)
+    flat = torch.zeros_like(want)
+    assert pack_file(packer, layout, where, tmp_path / "w.safetensors", flat) is None
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(flat.view(bits), want.view(bits))
+    pool = torch.zeros(2 * n + 3, page, dtype=dtype)
+    pages = [2 * n + 2 - 2 * i for i in range(n)]
+    with open(tmp_path / "w.safetensors", "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
+        view = ctypes.c_char.from_buffer(mm)
+        try:
+            assert packer.pack_file(layout, where, ctypes.addressof(view), pool, lambda: None, pages) is None
+        finally:
+            del view
+    for i, p in enumerate(pages):
+        assert torch.equal(pool[p].view(bits), want[i * page:(i + 1) * page].view(bits)), i
+
+
+@needs_c
+@pytest.mark.parametrize("wide", [False, True])
+def test_the_row_major_packer_names_a_tensor_that_is_not_finite(tmp_path, wide, two_threads, monkeypatch):
+    monkeypatch.setattr(lora_pack, "CHUNK", 1000)
+    _, shapes, where = write(tmp_path / "w.safetensors", torch.float32, 8, poison="1.down_proj.A")
+    packer = LoraPacker()
+    layout = packer.plan(shapes, PAGE)
+    flat = torch.zeros(layout.num_pages(PAGE) * PAGE, dtype=torch.bfloat16)
+    got = pack_file(packer, layout, where, tmp_path / "w.safetensors", flat, two_threads if wide else None)
+    assert got == ((1, "down_proj"), "lora_A")
