@@ -47,6 +47,19 @@ def pack_file(packer, layout, where, path, flat, helper=None):
             del view
 
 
+def pack_pages(packer, layout, where, path, n, page, dtype):
+    """The adapter's n pages packed straight into a pool's scattered rows -> (pool, the rows, in order)."""
+    pool = torch.zeros(2 * n + 3, page, dtype=dtype)
+    pages = [2 * n + 2 - 2 * i for i in range(n)]              # scattered, descending
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
+        view = ctypes.c_char.from_buffer(mm)
+        try:
+            assert packer.pack_file(layout, where, ctypes.addressof(view), pool, lambda: None, pages) is None
+        finally:
+            del view
+    return pool, pages
+
+
 @pytest.fixture
 def two_threads():
     """The loader's helper as it is while the engine waits for loads with nothing else to run."""
@@ -121,14 +134,7 @@ def test_packing_into_scattered_pages_gives_each_page_what_the_flat_space_has(tm
     assert n >= 3
     flat = torch.zeros(n * page, dtype=dtype)
     assert pack_file(packer, layout, where, tmp_path / "w.safetensors", flat) is None
-    pool = torch.zeros(2 * n + 3, page, dtype=dtype)
-    pages = [2 * n + 2 - 2 * i for i in range(n)]              # scattered, descending
-    with open(tmp_path / "w.safetensors", "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
-        view = ctypes.c_char.from_buffer(mm)
-        try:
-            assert packer.pack_file(layout, where, ctypes.addressof(view), pool, lambda: None, pages) is None
-        finally:
-            del view
+    pool, pages = pack_pages(packer, layout, where, tmp_path / "w.safetensors", n, page, dtype)
     for i, p in enumerate(pages):
         assert torch.equal(pool[p], flat[i * page:(i + 1) * page]), i
     others = sorted(set(range(pool.shape[0])) - set(pages))
@@ -158,14 +164,7 @@ def test_the_row_major_layout_packs_from_the_file_with_the_torch_paths_bits(tmp_
     assert pack_file(packer, layout, where, tmp_path / "w.safetensors", flat) is None
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     assert torch.equal(flat.view(bits), want.view(bits))
-    pool = torch.zeros(2 * n + 3, page, dtype=dtype)
-    pages = [2 * n + 2 - 2 * i for i in range(n)]
-    with open(tmp_path / "w.safetensors", "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
-        view = ctypes.c_char.from_buffer(mm)
-        try:
-            assert packer.pack_file(layout, where, ctypes.addressof(view), pool, lambda: None, pages) is None
-        finally:
-            del view
+    pool, pages = pack_pages(packer, layout, where, tmp_path / "w.safetensors", n, page, dtype)
     for i, p in enumerate(pages):
         assert torch.equal(pool[p].view(bits), want[i * page:(i + 1) * page].view(bits)), i
 
