@@ -7,7 +7,9 @@ and on the host write the rows into the adapter's pages of the pool. On a
 GPU the packed rows are pinned and the job ends there: the engine thread only enqueues their copy on the
 side stream (engine/lora/page_copier.py), which costs microseconds. A load from the host tier is the
 page write alone. The step thread sees a job only through its future: done (the pages are ready, or the
-packed rows can be enqueued) or failed (a ValueError / OSError naming the problem).
+packed rows can be enqueued) or failed (a ValueError / OSError naming the problem). While the engine waits
+for loads with nothing else to run, a job's C packing runs on two threads (`Helper`: one more thread,
+used only then, since no forward pass can start meanwhile).
 
 Why the pages may be written from another thread: they were allocated to the adapter before the job was
 submitted and the adapter is LOADING until the engine thread has seen the job finish, so nothing reads them
