@@ -174,15 +174,18 @@ class GenerationEndpoint(ABC):
         except EngineError as e:
             try:
                 await self.send(resp, sse.event(ApiError(e.status, str(e)).response()))
-            except sse.SlowReader:
+            except (sse.SlowReader, ConnectionError):
                 sse.hang_up(request)
         except sse.SlowReader:
             metrics.SLOW_READERS.labels("timeout").inc()
             log.warning("client of %s read nothing for %.0f s; aborting it", rid, self.stream_timeout)
             sse.hang_up(request)
-        except (ConnectionResetError, asyncio.CancelledError):
+        except asyncio.CancelledError:
             log.info("client of %s went away; aborting it", rid)
             raise
+        except ConnectionError:      # a write found the connection lost or closing: nothing left to answer
+            log.info("client of %s went away; aborting it", rid)
+            sse.hang_up(request)
         finally:
             await gens.aclose()          # aborts the requests in the engine that are still running
         return resp

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import socket
+import struct
+import time
 import urllib.parse
 
 import pytest
@@ -88,3 +90,25 @@ def test_a_reader_that_falls_stream_buffer_outputs_behind_is_aborted_and_its_pag
     finally:
         sock.close()
     assert served_meanwhile(slow_server)
+
+
+def test_a_client_that_hangs_up_mid_stream_is_aborted_without_an_error(slow_server):
+    """A write waiting for the reader finds the connection lost (ConnectionError, "Connection lost"; or
+    "Cannot write to closing transport" when it starts after the reset): the request is aborted and logged
+    as gone, not as an error of ours (it was a traceback; the fuzz test caught one)."""
+    seen = len(slow_server.lines)
+    body = {"model": "model", "prompt": "Count", "max_tokens": BUFFER - 4, "n": 4, "ignore_eos": True,
+            "logprobs": 20}                              # more than the send buffers hold: a write waits
+    sock = stalled_stream(slow_server.url, body)
+    sock.settimeout(30)
+    got = b""
+    while b"data:" not in got:
+        got += sock.recv(1 << 10)
+    time.sleep(1.0)                                      # the server's writes are waiting for the reader now
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()                                         # a reset, mid-stream
+    assert wait_until(lambda: engine_idle(slow_server), timeout=30)
+    assert served_meanwhile(slow_server)
+    later = slow_server.lines[seen:]
+    assert any("went away" in line for line in later), "".join(later[-40:])
+    assert not [line for line in later if "Traceback" in line or "Error handling request" in line], later[-40:]
