@@ -139,14 +139,9 @@ class Helper:
     def wide(self) -> bool:
         return self.alone.is_set()
 
-    def both(self, here, there):
-        """-> (here(), there()), `there` on the helper thread meanwhile."""
-        f = self._pool.submit(there)
-        try:
-            a = here()
-        finally:
-            b = f.result()
-        return a, b
+    def submit(self, fn) -> Future:
+        """Run fn() on the helper thread -> its future."""
+        return self._pool.submit(fn)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

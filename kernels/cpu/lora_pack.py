@@ -12,6 +12,7 @@ several and none crosses a page boundary; an adapter's bytes are its own rank's,
 from __future__ import annotations
 
 import ctypes
+import itertools
 import threading
 from typing import NamedTuple
 
@@ -26,7 +27,6 @@ ALIGN = 32   # elements: 64 bytes in bf16
 SRC_DTYPES = {"F32": 0, "BF16": 1, "F16": 2}     # file dtypes lora_pack.c reads
 ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2}
 CHUNK = 1 << 17                                  # elements pack_file writes between two pace() calls
-WIDE = 4                                         # chunks each thread takes at once on two threads
 PLANS_KEPT = 64                                  # layouts remembered by shapes (GroupPacker.plan)
 
 
@@ -96,8 +96,10 @@ def _chunks(sizes: list[int]) -> list[tuple[int, int]]:
 def run_table(table: _PieceTable, address: int, flat: torch.Tensor, pace, pages: list[int] | None,
               helper) -> tuple | None:
     """Pack `table`'s pieces from the file mapped at `address` into `flat` (its rows `pages` when given: no
-    piece crosses a page), pace() between chunks, two chunks' runs at once on `helper` while helper.wide()
-    -> None, or the (key, name) of the first tensor holding NaN or infinity in flat's dtype."""
+    piece crosses a page), pace() before each chunk; while helper.wide(), `helper`'s thread takes chunks too
+    (both threads take the next chunk not taken, so neither waits for the other's share) -> None, or the
+    (key, name) of the first tensor holding NaN or infinity in flat's dtype (the first in the file's order:
+    every chunk before a bad one is taken before it and finished before this returns)."""
     pieces = table.pieces
     if pages is not None:                   # flat offsets -> the pages' rows of `flat`
         pe = flat.shape[1]
@@ -106,26 +108,34 @@ def run_table(table: _PieceTable, address: int, flat: torch.Tensor, pace, pages:
         pieces["dst"] = np.asarray(pages, dtype=np.int64)[dst // pe] * pe + dst % pe
     base, out = pieces.ctypes.data, flat.data_ptr()
     bf16 = int(flat.dtype == torch.bfloat16)
+    chunks = table.chunks
+    taken = itertools.count()               # the next chunk to pack (next() is atomic: it holds the GIL)
+    bad: list[tuple[int, int]] = []         # (chunk, the failing piece) of every chunk that found one
 
-    def run(start: int, end: int):
-        rc = _fn()(address, base + start * _PIECE.itemsize, end - start, out, bf16)
-        return None if rc >= 0 else table.names[start - rc - 1]
+    def take(go) -> None:
+        while go() and not bad:
+            i = next(taken)
+            if i >= len(chunks):
+                return
+            start, end = chunks[i]
+            rc = _fn()(address, base + start * _PIECE.itemsize, end - start, out, bf16)
+            if rc < 0:
+                bad.append((i, start - rc - 1))
 
-    def run_all(chunks):
-        return next(filter(None, (run(*c) for c in chunks)), None)
-    chunks, i = table.chunks, 0
-    while i < len(chunks):
+    helping = None
+
+    def go() -> bool:
+        nonlocal helping
         pace()
-        if helper is not None and i + 1 < len(chunks) and helper.wide():
-            n = min(WIDE, (len(chunks) - i + 1) // 2)   # WIDE chunks each: fewer hand-overs (~40 us each)
-            bad = helper.both(lambda c=chunks[i:i + n]: run_all(c), lambda c=chunks[i + n:i + 2 * n]: run_all(c))
-            i += 2 * n
-        else:
-            bad = (run(*chunks[i]),)
-            i += 1
-        if any(bad):
-            return next(b for b in bad if b)
-    return None
+        if helping is None and helper is not None and helper.wide():
+            helping = helper.submit(lambda: take(helper.wide))
+        return True
+    try:
+        take(go)
+    finally:
+        if helping is not None and not helping.cancel():     # queued behind another job's chunks: not needed
+            helping.result()
+    return table.names[min(bad)[1]] if bad else None
 
 
 class RowMajorFiles:

@@ -4,6 +4,8 @@ and names the first tensor holding NaN or infinity. Ranks: 5 (odd: B's scalar pa
 bfloat16: AVX-512's streamed A and paired B where the CPU has it), 70 (B's ranks in two column tiles)."""
 import ctypes
 import mmap
+import threading
+import time
 
 import pytest
 import torch
@@ -29,8 +31,8 @@ def write(path, src_dtype, rank=5, poison=None):
             a, b = torch.randn(rank, n_in, generator=g) * 3, torch.randn(n_out, rank, generator=g) * 3
             tensors[f"{layer}.{m}.A"], tensors[f"{layer}.{m}.B"] = a.to(src_dtype), b.to(src_dtype)
             shapes[(layer, m)] = (rank, n_in, n_out, scale)
-    if poison:
-        tensors[poison][1, 2] = float("inf")
+    for name in [poison] if isinstance(poison, str) else poison or ():
+        tensors[name][1, 2] = float("inf")
     save_file(tensors, str(path))
     header = read_header(path)
     where = {k: tuple((header[f"{k[0]}.{k[1]}.{x}"]["dtype"], header[f"{k[0]}.{k[1]}.{x}"]["start"],
@@ -103,6 +105,20 @@ def test_the_c_packer_names_a_tensor_that_is_not_finite(tmp_path, rank, poison, 
     assert got == ((int(layer), module), f"lora_{ab}")
 
 
+def threads_of_chunks(monkeypatch, each=None) -> list[str]:
+    """Record the thread that packs each chunk (`each(thread name)` called after it)."""
+    names, real = [], lora_pack._fn()
+
+    def fn(*args):
+        rc = real(*args)
+        names.append(threading.current_thread().name)
+        if each:
+            each(names[-1])
+        return rc
+    monkeypatch.setattr(lora_pack, "_fn", lambda: fn)
+    return names
+
+
 @needs_c
 @pytest.mark.parametrize("rank", [5, 8])
 def test_two_threads_pack_the_bits_one_thread_packs(tmp_path, rank, two_threads, monkeypatch):
@@ -112,14 +128,51 @@ def test_two_threads_pack_the_bits_one_thread_packs(tmp_path, rank, two_threads,
     layout = packer.plan(shapes, PAGE)
     one = torch.zeros(layout.num_pages(PAGE) * PAGE, dtype=torch.bfloat16)
     two = torch.zeros_like(one)
-    calls = []
-    real = two_threads.both
-    two_threads.both = lambda f, g: calls.append(1) or real(f, g)
+    names = threads_of_chunks(monkeypatch, lambda name: name == "MainThread" and time.sleep(0.002))
     assert pack_file(packer, layout, where, tmp_path / "w.safetensors", one) is None
-    assert not calls
+    assert set(names) == {"MainThread"}
+    names.clear()
     assert pack_file(packer, layout, where, tmp_path / "w.safetensors", two, two_threads) is None
-    assert calls                                               # it did run on two threads
+    assert any(n.startswith("loraplex-loader-helper") for n in names)       # it did run on two threads
+    assert len(names) == len(set(lora_pack.GroupPacker(torch.bfloat16)._pieces(layout, where).chunks))  # each once
     assert torch.equal(one.view(torch.int16), two.view(torch.int16))
+
+
+@needs_c
+def test_the_helper_stops_taking_chunks_once_the_engine_may_step(tmp_path, two_threads, monkeypatch):
+    """The engine stops waiting (alone cleared) after the helper's second chunk: it takes no third, the loader
+    thread packs the rest, and the bits are those of one thread."""
+    monkeypatch.setattr(lora_pack, "CHUNK", 1000)
+    _, shapes, where = write(tmp_path / "w.safetensors", torch.float32, 8)
+    packer = GroupPacker(torch.bfloat16)
+    layout = packer.plan(shapes, PAGE)
+    one = torch.zeros(layout.num_pages(PAGE) * PAGE, dtype=torch.bfloat16)
+    assert pack_file(packer, layout, where, tmp_path / "w.safetensors", one) is None
+
+    def each(name):
+        if name == "MainThread":
+            time.sleep(0.002)                                  # the helper gets its chunks meanwhile
+        elif names.count(name) == 2:
+            two_threads.alone.clear()
+    names = threads_of_chunks(monkeypatch, each)
+    two = torch.zeros_like(one)
+    assert pack_file(packer, layout, where, tmp_path / "w.safetensors", two, two_threads) is None
+    assert len(names) > 6 and sum(not n.startswith("MainThread") for n in names) == 2
+    assert torch.equal(one.view(torch.int16), two.view(torch.int16))
+
+
+@needs_c
+def test_two_threads_name_the_tensor_one_thread_names(tmp_path, two_threads, monkeypatch):
+    """Two tensors hold infinity: the packer names the one a single thread meets first, on two threads too."""
+    monkeypatch.setattr(lora_pack, "CHUNK", 1000)
+    _, shapes, where = write(tmp_path / "w.safetensors", torch.float32, 8, poison=["1.up_proj.B", "0.o_proj.A"])
+    packer = GroupPacker(torch.bfloat16)
+    layout = packer.plan(shapes, PAGE)
+    flat = torch.zeros(layout.num_pages(PAGE) * PAGE, dtype=torch.bfloat16)
+    first = pack_file(packer, layout, where, tmp_path / "w.safetensors", flat)
+    assert first in {((1, "up_proj"), "lora_B"), ((0, "o_proj"), "lora_A")}
+    for _ in range(5):
+        assert pack_file(packer, layout, where, tmp_path / "w.safetensors", flat, two_threads) == first
 
 
 @needs_c
