@@ -6,6 +6,7 @@ import contextlib
 import os
 import signal
 import threading
+from pathlib import Path
 
 # flags of `loraplex serve` that belong to the whole application, not to each replica's server
 APP_FLAGS = {"--replicas", "--ray-address", "--max-adapters-per-replica", "--host", "--port", "--frontends",
@@ -65,6 +66,7 @@ def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, p
         _note_pids(directory, pids)         # a replica registered since the last look (a replacement, say)
     finally:
         for stop in (serve.shutdown, ray.shutdown):    # Ray's own processes may have had the signal too
+            pids.update(descendants(os.getpid()))      # a local Ray's processes (workers, agents) are ours
             with contextlib.suppress(Exception):
                 stop()
         left = wait_gone([p for p, started in pids.items() if _start_time(p) == started], STOP_WAIT_S)
@@ -84,6 +86,21 @@ def _note_pids(directory, pids: dict[int, str]) -> None:
             for p in info.get("pids", []):
                 if p not in pids and (started := _start_time(p)) is not None:
                     pids[p] = started
+
+
+def descendants(root: int) -> dict[int, str]:
+    """Every running process below `root` (children, theirs, ...) -> {pid: start time}."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            children.setdefault(int(stat.read_text().rsplit(")", 1)[1].split()[1]), []).append(int(stat.parent.name))
+    out, todo = {}, list(children.get(root, []))
+    while todo:
+        p = todo.pop()
+        if (started := _start_time(p)) is not None and _alive(p):
+            out[p] = started
+        todo += children.get(p, [])
+    return out
 
 
 def wait_gone(pids: list[int], timeout: float) -> list[int]:

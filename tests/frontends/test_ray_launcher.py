@@ -1,9 +1,14 @@
-"""What each replica's server is started with: the application's own flags removed, paths absolute."""
+"""What each replica's server is started with: the application's own flags removed, paths absolute; which
+processes the launcher waits for at the stop (a local Ray's own: every process below it)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
-from frontends.ray_launcher import replica_argv
+from frontends.ray_launcher import descendants, replica_argv, wait_gone
 
 
 def test_replica_argv_drops_the_application_flags_and_makes_paths_absolute(tmp_path, monkeypatch):
@@ -14,3 +19,32 @@ def test_replica_argv_drops_the_application_flags_and_makes_paths_absolute(tmp_p
             "--replica-routing", "random", "--replica-load-bound", "1.25", "--dtype", "float32"]
     assert replica_argv(argv) == ["--adapter-dir", os.path.join(str(tmp_path), "adapters"), "--max-loras", "4",
                                   "--dtype", "float32", "--replicas", "1"]
+
+
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_stop_waits_for_grandchildren_too():
+    """A child that started a grandchild (as Ray's raylet starts its workers): both are found, and once
+    found they are waited for even after the child is gone and the grandchild has another parent."""
+    child = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time; subprocess.Popen([sys.executable, "
+                              "'-c', 'import time; time.sleep(3)']); time.sleep(30)"])
+    try:
+        deadline = time.monotonic() + 20
+        while len(found := descendants(os.getpid())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert child.pid in found and len(found) == 2, found
+        grandchild = next(p for p in found if p != child.pid)
+        child.kill()
+        child.wait()
+        assert grandchild not in descendants(os.getpid())      # reparented: no longer below us
+        t = time.monotonic()
+        assert wait_gone(list(found), 20) == []                # but still waited for, until it exits
+        assert time.monotonic() - t > 1.0 and running(grandchild) is False
+    finally:
+        child.kill()
+        child.wait()
