@@ -98,8 +98,8 @@ def run_table(table: _PieceTable, address: int, flat: torch.Tensor, pace, pages:
     """Pack `table`'s pieces from the file mapped at `address` into `flat` (its rows `pages` when given: no
     piece crosses a page), pace() before each chunk; while helper.wide(), `helper`'s thread takes chunks too
     (both threads take the next chunk not taken, so neither waits for the other's share) -> None, or the
-    (key, name) of the first tensor holding NaN or infinity in flat's dtype (the first in the file's order:
-    every chunk before a bad one is taken before it and finished before this returns)."""
+    (key, name) of the first tensor holding NaN or infinity in flat's dtype (the first in the table's order
+    on two threads too: every chunk before a bad one is taken before it and finished before this returns)."""
     pieces = table.pieces
     if pages is not None:                   # flat offsets -> the pages' rows of `flat`
         pe = flat.shape[1]
