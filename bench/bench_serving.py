@@ -5,7 +5,9 @@ requests at --rate per second twice: each naming an adapter drawn from Zipf(--zi
 adapters (rank 8 / 16 on q and v), then each naming one single adapter. Prints throughput and
 time-to-first-token / inter-token latency p50 and p99 of both, and the ratios (goals: throughput >= 0.95x,
 TTFT p99 within 1.5x of one adapter's); writes bench/results/serving.json and .png.
-Usage: python -m bench.bench_serving [--requests 300] [--rate 16] [--adapters 100] [--url URL]
+`--rates 10,13,16`: a sweep, each rate with 100 adapters of its own (loaded cold), both ratios against the rate
+(bench/results/serving_sweep.json and .png).
+Usage: python -m bench.bench_serving [--requests 300] [--rate 16] [--rates R1,R2,..] [--adapters 100] [--url URL]
 """
 from __future__ import annotations
 
@@ -90,11 +92,27 @@ def summary(stats: dict, args) -> dict:
             "itl_p50_ms": pct(stats["itl"], 50), "itl_p99_ms": pct(stats["itl"], 99)}
 
 
+def sweep_plot(ax, sweep: list[dict], args) -> None:
+    """--rates: both ratios against the arrival rate, the goals drawn in."""
+    rates = [r["rate"] for r in sweep]
+    ax.plot(rates, [r["throughput_ratio"] for r in sweep], "o-", label="throughput, 100 adapters / 1")
+    ax.plot(rates, [r["ttft_p99_ratio"] for r in sweep], "s-", label="TTFT p99, 100 adapters / 1")
+    ax.axhline(0.95, color="C0", ls=":", lw=1)
+    ax.axhline(1.5, color="C1", ls=":", lw=1)
+    ax.set_yscale("log")
+    ax.set_xlabel("arrivals per second (Poisson)")
+    ax.set_ylabel("ratio")
+    ax.legend()
+    ax.set_title(f"bench_serving --rates: {args.requests} requests a rate, each rate's 100 adapters loaded cold")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default=None, help="a running server (else one is started at its defaults)")
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--rate", type=float, default=16.0, help="mean arrivals per second (Poisson)")
+    p.add_argument("--rates", default=None, help="a sweep instead, e.g. 10,13,16: each rate both sides, each "
+                   "with 100 adapters of its own (loaded cold, as at the first rate); writes serving_sweep")
     p.add_argument("--adapters", type=int, default=100)
     p.add_argument("--zipf", type=float, default=1.2)
     p.add_argument("--prompt-words", type=int, default=48)
@@ -109,25 +127,39 @@ def main() -> None:
     from engine.config import EngineConfig
     work = Path(args.workdir or Path(tempfile.gettempdir()) / "loraplex-bench-serving")
     cfg = EngineConfig.create().model
-    for i in range(args.adapters):
-        write_peft_adapter(work / f"tenant{i}", cfg, (8, 16)[i % 2], ("q_proj", "v_proj"), seed=20_000 + i)
-    models = [f"tenant{i}" for i in range(args.adapters)]
+    rates = [float(r) for r in args.rates.split(",")] if args.rates else [args.rate]
+    sets = []                      # per rate: its adapters' names (the first set: tenant0.., as always)
+    for k in range(len(rates)):
+        prefix = "tenant" if k == 0 else f"r{k}-tenant"
+        for i in range(args.adapters):
+            write_peft_adapter(work / f"{prefix}{i}", cfg, (8, 16)[i % 2], ("q_proj", "v_proj"),
+                               seed=20_000 + 1_000 * k + i)
+        sets.append([f"{prefix}{i}" for i in range(args.adapters)])
     proc, url = (None, args.url) if args.url else start_server(["--adapter-dir", str(work), *args.server_args])
-    results = {}
+    sweep = []
     try:
-        asyncio.run(run_load(url, models[:1], argparse.Namespace(**{**vars(args), 'requests': 8})))   # warm-up
-        for label, names in ((f"{args.adapters} adapters", models), ("1 adapter", models[:1])):
-            stats = asyncio.run(run_load(url, names, args))
-            print(f"--- {label}")
-            report(stats, args)
-            results[label] = summary(stats, args)
+        asyncio.run(run_load(url, sets[0][:1], argparse.Namespace(**{**vars(args), 'requests': 8})))   # warm-up
+        for rate, models in zip(rates, sets):
+            at = argparse.Namespace(**{**vars(args), "rate": rate})
+            results = {}
+            for label, names in ((f"{args.adapters} adapters", models), ("1 adapter", sets[0][:1])):
+                stats = asyncio.run(run_load(url, names, at))
+                print(f"--- {label}, {rate}/s")
+                report(stats, at)
+                results[label] = summary(stats, at)
+            many, one = results.values()
+            sweep.append({"rate": rate, "results": results, "throughput_ratio": many["tok_s"] / one["tok_s"],
+                          "ttft_p99_ratio": many["ttft_p99_ms"] / one["ttft_p99_ms"]})
+            print(f"{args.adapters} adapters vs 1 at {rate}/s: throughput {sweep[-1]['throughput_ratio']:.2f}x (goal "
+                  f">= 0.95x), TTFT p99 {sweep[-1]['ttft_p99_ratio']:.2f}x (goal <= 1.5x); server flags: "
+                  f"{args.server_args or 'defaults'}")
     finally:
         if proc:
             stop_server(proc)
-    many, one = results.values()
-    tput, ttft = many["tok_s"] / one["tok_s"], many["ttft_p99_ms"] / one["ttft_p99_ms"]
-    print(f"{args.adapters} adapters vs 1: throughput {tput:.2f}x (goal >= 0.95x), TTFT p99 {ttft:.2f}x "
-          f"(goal <= 1.5x); server flags: {args.server_args or 'defaults'}")
+    if args.rates:
+        write("serving_sweep", {"args": vars(args), "sweep": sweep}, lambda ax: sweep_plot(ax, sweep, args))
+        return
+    results, tput, ttft = sweep[0]["results"], sweep[0]["throughput_ratio"], sweep[0]["ttft_p99_ratio"]
 
     def plot(ax):
         keys = ["ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"]
