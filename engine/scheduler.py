@@ -195,6 +195,20 @@ class Scheduler:
         out.requests.append(req)
         out.num_new_tokens.append(n)
 
+    def prefetch_waiting(self) -> None:
+        """Before a step is scheduled: start the loads of the requests that could join it (as many as there
+        are free places), so that requests which arrived since the last step get theirs under way now. The
+        pages their KV will need stay free besides the running requests' (a load must not take them)."""
+        places = self.config.max_num_seqs - len(self.running)
+        if not (self.admission and self.waiting) or places <= 0:
+            return
+        bs = self.kv.block_size
+        upcoming = list(itertools.islice(self.waiting.order(Counter(r.adapter_id for r in self.running)), places))
+        reserve = self._kv_growth() + sum(-(-(len(r.prompt_token_ids) + r.max_tokens) // bs) for r in upcoming)
+        for req in upcoming:
+            if not self.admission.prefetch(req, reserve):
+                break
+
     def _prefetch(self, upcoming) -> None:
         """Start loading the adapters of the next requests in line, beside the running ones' KV."""
         reserve = self._kv_growth()

@@ -210,6 +210,9 @@ class EngineCore:
         """Schedule, run the model once, and report every request that got a token or finished."""
         if self.adapters is not None:
             self.adapters.idle.clear()          # background digests give way from now on
+            if self.scheduler.running and self.scheduler.waiting:
+                self.scheduler.prefetch_waiting()
+                self.adapters.finish_small_loads()   # their requests can then start in this step
         results = self._finish_failed_loads()
         out = self.scheduler.schedule()
         if out.is_empty:

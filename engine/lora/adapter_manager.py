@@ -45,6 +45,8 @@ from ipc.adapter_names import check_adapter_name
 from kernels.lora_layout import LoraPacker, PackedLayout
 
 log = logging.getLogger("loraplex.lora")
+SMALL_LOAD_BYTES = 8 << 20   # a load writing at most this much into the pool may hold a step back...
+SMALL_LOAD_WAIT_S = 0.004    # ...for at most this long (finish_small_loads)
 BUSY_REST_S = 0.05       # a background digest while the engine works: one 1 MiB chunk each (~1% of a core)
 
 
@@ -477,6 +479,27 @@ class AdapterManager:
 
     def loading(self) -> bool:
         return any(a.state == AdapterState.LOADING for a in self.by_id.values())
+
+    def finish_small_loads(self) -> bool:
+        """Before a step is scheduled while others run: give the loads in flight that write at most
+        SMALL_LOAD_BYTES into the pool up to SMALL_LOAD_WAIT_S at full speed (both cores: no forward pass
+        computes meanwhile), so that the requests waiting for them start in this step instead of the next
+        (one step less to their first token), for a wait of about a millisecond to the running streams. A
+        larger load stays paced beside the step (bench_load_stall). -> whether any was waited for."""
+        if not self.loader.loads_pending():
+            return False
+        limit = SMALL_LOAD_BYTES // (self.page_elems * self.storage.element_size())
+        small = [a.future for a in self.by_id.values()
+                 if a.future is not None and not a.future.done() and len(a.pages) <= limit]
+        if not small:
+            return False
+        alone = self.loader.helper.alone
+        alone.set()
+        try:
+            wait_futures(small, SMALL_LOAD_WAIT_S)
+        finally:
+            alone.clear()
+        return True
 
     def wait_loads(self, timeout: float | None = None) -> None:
         """Block until every started load is finished, or (with `timeout`) until one job finishes or

@@ -124,6 +124,40 @@ def test_a_loading_adapter_holds_up_nobody(llm, adapter_dir, monkeypatch, tmp_pa
     llm.unregister_adapter("slow")
 
 
+def test_a_small_adapter_arriving_while_others_run_starts_in_the_next_step(llm, adapter_dir, tmp_path, monkeypatch):
+    """A request for a small adapter not loaded yet, arriving while another request decodes, gets its first
+    token from the very next step: its load finishes before that step is scheduled
+    (AdapterManager.finish_small_loads). A load over SMALL_LOAD_BYTES stays paced beside the step: its
+    request starts a step later at the earliest."""
+    from engine.lora import adapter_manager
+    from ipc.requests import GenerateRequest
+    monkeypatch.setattr(adapter_manager, "SMALL_LOAD_WAIT_S", 60.0)   # a hang guard: no speed is tested
+    d, _ = adapter_dir
+    core = llm.engine
+    core.add_request(GenerateRequest("runs", [1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=60,
+                                                                         ignore_eos=True)))
+    core.step()
+    src = d / "r4-qv"
+    assert adapter_manager.SMALL_LOAD_BYTES == 8 << 20
+    for limit, earliest in ((8 << 20, 1), (0, 2)):
+        name = f"arrives-{limit}"
+        llm.register_adapter(name, own_content(src, tmp_path / name))     # each a content of its own
+        src = tmp_path / name
+        monkeypatch.setattr(adapter_manager, "SMALL_LOAD_BYTES", limit)
+        core.add_request(GenerateRequest(name, [1, 2, 3], GREEDY, adapter=name))
+        steps, first = 0, False
+        while not first and steps < 100:
+            outs = core.step()
+            steps += 1
+            first = any(o.request_id == name and o.new_token_ids for o in outs)
+        assert first and (steps == 1 if earliest == 1 else steps >= 2), (limit, steps)
+    core.abort("runs")
+    while core.has_unfinished():
+        core.step()
+    for limit in (8 << 20, 0):
+        llm.unregister_adapter(f"arrives-{limit}")        # the module's other tests make the same contents
+
+
 def test_adapter_whose_files_broke_fails_its_requests_with_an_error(llm, adapter_dir, tmp_path):
     d, _ = adapter_dir
     llm.register_adapter("fragile", own_content(d / "r4-qv", tmp_path / "fragile"))
