@@ -485,8 +485,10 @@ class AdapterManager:
         SMALL_LOAD_BYTES into the pool up to SMALL_LOAD_WAIT_S at full speed (both cores: no forward pass
         computes meanwhile), so that the requests waiting for them start in this step instead of the next
         (one step less to their first token), for a wait of about a millisecond to the running streams. A
-        larger load stays paced beside the step (bench_load_stall). -> whether any was waited for."""
-        if not self.loader.loads_pending():
+        larger load stays paced beside the step (bench_load_stall). Not on a GPU: there loads are not paced
+        and their pages' copy lands after a later poll, so a wait would only delay the step. -> whether any
+        was waited for."""
+        if self.copier.cuda or not self.loader.loads_pending():
             return False
         limit = SMALL_LOAD_BYTES // (self.page_elems * self.storage.element_size())
         small = [a.future for a in self.by_id.values()
