@@ -124,6 +124,10 @@ class AdapterManager:
         self.idle.set()
         self._closed = False
         self.lru: OrderedDict[int, None] = OrderedDict()   # resident adapters, least recent first
+        # the LOADING adapters, in the order their loads began: what each step's poll walks (never every
+        # registered adapter: a server may know thousands)
+        self.in_flight: dict[int, Adapter] = {}
+        self._disk_bytes: int | None = None      # tier_bytes' disk figure; None: the registry changed since
         self.stats = AdapterStats()
         self.on_drop: list = []             # callbacks(adapter_id) when an adapter's weights are gone
         # adapter id -> place in line of its first waiting request, as far as the scheduler's current pass
@@ -189,6 +193,7 @@ class AdapterManager:
                     self.unregister(name)
                 self.by_name[name] = same
                 same.names.add(name)
+                self._disk_bytes = None
                 return same
         layout = dora.plan(self.packer.plan(files.module_shapes(), self.page_elems), files, self.model,
                            self.page_elems)
@@ -202,6 +207,7 @@ class AdapterManager:
             self.unregister(name)
         a = Adapter(name, next(self._ids), path, files, layout, pinned, digest=digest, names={name}, shape_key=key)
         self.by_name[name] = a
+        self._disk_bytes = None
         self.by_id[a.adapter_id] = a
         self.by_key.setdefault(key, []).append(a)
         if not a.digest:
@@ -216,6 +222,7 @@ class AdapterManager:
         a = self.by_name.pop(name, None)
         if a is None:
             raise KeyError(f"adapter {name!r} is not registered")
+        self._disk_bytes = None
         a.names.discard(name)
         if a.names:
             if a.name == name:
@@ -276,6 +283,7 @@ class AdapterManager:
                     self.by_name[n] = keep
                 keep.names |= lose.names
                 lose.names = set()
+                self._disk_bytes = None
                 self._forget_key(lose)
                 lose.unregistering = True
                 self._drop_compositions(lose)
@@ -387,6 +395,7 @@ class AdapterManager:
                 return False
         a.pages = self.pool.allocate(need, PageKind.ADAPTER)
         a.state = AdapterState.LOADING
+        self.in_flight[a.adapter_id] = a
         a.load_started = time.monotonic()
         packed = self.host.use(a.adapter_id)
         if packed is not None:
@@ -402,9 +411,7 @@ class AdapterManager:
         failed, self._failed = self._failed, []
         if self._digested:
             self._merge_digested()
-        for a in list(self.by_id.values()):
-            if a.state != AdapterState.LOADING:
-                continue
+        for a in list(self.in_flight.values()):
             err = None
             if a.future is not None:
                 if not a.future.done():
@@ -421,6 +428,7 @@ class AdapterManager:
                 a.future = None
             if err is None and not self.copier.done(a.adapter_id):
                 continue                # NOTE: LOADING until the copy lands: its pages are not evictable
+            del self.in_flight[a.adapter_id]
             if err is None:
                 a.state = AdapterState.RESIDENT
                 self.lru[a.adapter_id] = None
@@ -478,7 +486,7 @@ class AdapterManager:
             self._copying = a
 
     def loading(self) -> bool:
-        return any(a.state == AdapterState.LOADING for a in self.by_id.values())
+        return bool(self.in_flight)
 
     def finish_small_loads(self) -> bool:
         """Before a step is scheduled while others run: give the loads in flight that write at most
@@ -491,7 +499,7 @@ class AdapterManager:
         if self.copier.cuda or not self.loader.loads_pending():
             return False
         limit = SMALL_LOAD_BYTES // (self.page_elems * self.storage.element_size())
-        small = [a.future for a in self.by_id.values()
+        small = [a.future for a in self.in_flight.values()
                  if a.future is not None and not a.future.done() and len(a.pages) <= limit]
         if not small:
             return False
@@ -506,7 +514,7 @@ class AdapterManager:
     def wait_loads(self, timeout: float | None = None) -> None:
         """Block until every started load is finished, or (with `timeout`) until one job finishes or
         `timeout` seconds pass: what the engine does when nothing else can run."""
-        futures = [a.future for a in self.by_id.values() if a.future is not None]
+        futures = [a.future for a in self.in_flight.values() if a.future is not None]
         alone = self.loader.helper.alone
         alone.set()                        # nothing computes meanwhile: the jobs may take both cores
         try:
@@ -519,9 +527,8 @@ class AdapterManager:
             alone.clear()
         failed = self.poll()               # enqueue the copies; the failures go to the next poll's caller
         self._failed += failed
-        for a in list(self.by_id.values()):
-            if a.state == AdapterState.LOADING:
-                self.copier.wait(a.adapter_id)
+        for a in list(self.in_flight.values()):
+            self.copier.wait(a.adapter_id)
         failed = self.poll()               # the copies have landed (on a GPU): mark their adapters resident
         self._failed += failed
 
@@ -594,18 +601,18 @@ class AdapterManager:
 
     def tier_bytes(self) -> dict[str, int]:
         """Adapter bytes per tier: pool (pages held, loading or resident), host (packed copies), disk (the
-        registered adapters' weight files)."""
+        registered adapters' weight files). Walks no registry (published every half second on the step
+        thread): disk is recounted only after the registry changed."""
         page_bytes = self.page_elems * self.storage.element_size()
-        pool = sum(len(a.pages) for a in self.by_id.values()) * page_bytes
-        disk = sum(a.files.nbytes for a in {id(a): a for a in self.by_name.values()}.values())
-        return {"pool": pool, "host": self.host.nbytes, "disk": disk}
+        if self._disk_bytes is None:
+            self._disk_bytes = sum(a.files.nbytes for a in {id(a): a for a in self.by_name.values()}.values())
+        return {"pool": self.pool.used[PageKind.ADAPTER] * page_bytes, "host": self.host.nbytes,
+                "disk": self._disk_bytes}
 
     def tiers(self) -> dict[str, int]:
-        counts = {"resident": 0, "loading": 0, "host": len(self.host), "registered": len(self.by_name)}
-        for a in self.by_id.values():
-            if a.state != AdapterState.DISK:
-                counts[a.state.value] += 1
-        return counts
+        """Adapters per tier (the resident ones are `lru`'s, the loading ones `in_flight`'s)."""
+        return {"resident": len(self.lru), "loading": len(self.in_flight), "host": len(self.host),
+                "registered": len(self.by_name)}
 
     def close(self) -> None:
         self._closed = True                 # a digest in progress stops at its next chunk

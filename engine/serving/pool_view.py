@@ -64,7 +64,7 @@ class PoolView:
         s = core.scheduler
         rows, in_flight, loads = self._adapters(page_bytes), [], []
         if core.adapters is not None:
-            in_flight = sorted(a.name for a in core.adapters.by_id.values() if a.state == AdapterState.LOADING)
+            in_flight = sorted(a.name for a in core.adapters.in_flight.values())
             loads = [LoadRecord(name=n, seconds=sec, at=at) for n, sec, at in core.adapters.recent_loads]
         return PoolReport(at=now, model=core.cfg.model.name, running=len(s.running), waiting=len(s.waiting),
                           pages=pages, history=list(self.history), adapters=rows, loads_in_flight=in_flight,

@@ -123,6 +123,8 @@ def test_ten_thousand_random_cycles_keep_accounting_exact(tmp_path):
             pool.free(kv_blocks.pop(rng.randrange(len(kv_blocks))))
         held = sum(len(a.pages) for a in m.by_id.values())
         assert pool.num_free + held + sum(map(len, kv_blocks)) == pool.num_pages, step
+        if step % 50 == 0:
+            assert m.tiers() == _recount_tiers(m) and m.tier_bytes() == _recount_bytes(m), step
         assert len(m.host) <= 4
     for aid in running:
         m.release(aid)
@@ -134,6 +136,44 @@ def test_ten_thousand_random_cycles_keep_accounting_exact(tmp_path):
     assert pool.num_free == pool.num_pages and sum(pool.ref_count) == 0
     assert not m.by_id and not m.host and not m.lru
     assert m.stats.loads > 100 and m.stats.evictions > 100
+
+
+def _recount_tiers(m):
+    states = [a.state for a in m.by_id.values()]
+    return {"resident": states.count(AdapterState.RESIDENT), "loading": states.count(AdapterState.LOADING),
+            "host": len(m.host), "registered": len(m.by_name)}
+
+
+def _recount_bytes(m):
+    page_bytes = PAGE * m.storage.element_size()
+    return {"pool": sum(len(a.pages) for a in m.by_id.values()) * page_bytes, "host": m.host.nbytes,
+            "disk": sum(a.files.nbytes for a in {id(a): a for a in m.by_name.values()}.values())}
+
+
+class _Unwalkable(dict):
+    """A registry that fails a test which walks it."""
+    def values(self):
+        raise AssertionError("walked every registered adapter")
+
+    items = keys = __iter__ = values
+
+
+def test_a_step_walks_the_loads_in_flight_never_the_registry(tmp_path):
+    m, pool = manager(64)
+    ads = [m.register(f"a{i}", write_adapter(tmp_path / f"a{i}", r=4, seed=i)) for i in range(6)]
+    m.loader.pause()
+    assert m.start_load(ads[1]) and m.start_load(ads[4])
+    assert list(m.in_flight) == [ads[1].adapter_id, ads[4].adapter_id]
+    registry, m.by_id = m.by_id, _Unwalkable(m.by_id)      # what a step calls must not walk it
+    assert not m.poll() and m.loading() and m.tiers()["loading"] == 2
+    m.finish_small_loads()                         # waits up to 4 ms for the paused loads: walks in_flight
+    m.loader.resume()
+    m.wait_loads()
+    assert not m.poll() and not m.in_flight and not m.loading()
+    assert ads[1].state == ads[4].state == AdapterState.RESIDENT and ads[0].state == AdapterState.DISK
+    m.tier_bytes()
+    m.by_id = registry
+    assert m.tiers() == _recount_tiers(m) and m.tier_bytes() == _recount_bytes(m)
 
 
 def test_a_prefetch_leaves_its_reserve_free_and_evicts_nothing_when_it_cannot_fit(tmp_path):
@@ -192,7 +232,7 @@ def test_a_load_racing_an_unload_frees_everything_when_it_lands(tmp_path):
     m.loader.resume()
     m.wait_loads()
     assert not m.poll()
-    assert pool.num_free == 16 and a.adapter_id not in m.by_id and not m.host
+    assert pool.num_free == 16 and a.adapter_id not in m.by_id and not m.host and not m.in_flight
 
 
 def test_a_reload_under_the_same_name_while_loading_serves_the_new_weights(tmp_path):
@@ -222,7 +262,7 @@ def test_a_load_that_fails_frees_its_pages_and_names_the_problem(tmp_path):
     m.wait_loads()
     (failed, error), = m.poll()
     assert failed is a and "NaN" in error and "v_proj" in error
-    assert a.state == AdapterState.DISK and pool.num_free == 16 and m.stats.failed_loads == 1
+    assert a.state == AdapterState.DISK and pool.num_free == 16 and m.stats.failed_loads == 1 and not m.in_flight
     b = m.register("b", write_adapter(tmp_path / "b", r=4))
     write_adapter(tmp_path / "b", 4, extra_tensors={key: torch.ones(16, 4)})      # rewritten after registration
     assert m.start_load(b)
