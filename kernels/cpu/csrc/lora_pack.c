@@ -15,7 +15,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
-#ifdef __AVX512BW__
+#if defined(__AVX512BW__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -231,6 +231,80 @@ static int f32_bf16_b_stream(const float *restrict src, const pack_piece *p, uin
 }
 #endif
 
+#ifdef __AVX2__
+/* kind 1 (B transposed, plain) into bf16 from fp32 or bf16 with AVX2: 16 rows x 8 ranks at a time, two 8x8
+ * transposes in registers, each rank's 16 values one 32-byte store. f32_to_bf16's rounding, 8 at a time (the
+ * same bits as the scalar path, which was ~7 cycles a value: most of a cold load on AVX2-only CPUs). */
+static inline __m256i cvt8_bf16(__m256i u, __m256i *bad) {       /* 8 lanes: bf16 bits in each low half */
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    const __m256i h = _mm256_blendv_epi8(rounded, quiet, nan);
+    *bad = _mm256_or_si256(*bad, _mm256_cmpeq_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x7f80)),
+                                                    _mm256_set1_epi32(0x7f80)));
+    return h;
+}
+
+/* 8 source values at element i as fp32 bits (bf16: widened, exact) */
+static inline __m256i load8_bits(const uint8_t *src, int bf16_src, int64_t i) {
+    if (bf16_src)
+        return _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(src + 2 * i))), 16);
+    return _mm256_loadu_si256((const __m256i *)(src + 4 * i));
+}
+
+/* r[c] <- column c of the 8x8 block of 32-bit lanes */
+static inline void transpose8(__m256i *r) {
+    __m256 t[8], q[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(_mm256_castsi256_ps(r[i]), _mm256_castsi256_ps(r[i + 1]));
+        t[i + 1] = _mm256_unpackhi_ps(_mm256_castsi256_ps(r[i]), _mm256_castsi256_ps(r[i + 1]));
+    }
+    for (int i = 0; i < 8; i += 4) {
+        q[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        q[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        q[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        q[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_castps_si256(_mm256_permute2f128_ps(q[i], q[i + 4], 0x20));
+        r[i + 4] = _mm256_castps_si256(_mm256_permute2f128_ps(q[i], q[i + 4], 0x31));
+    }
+}
+
+/* bf16(bf16(x) * scale) of 8 lanes (x's own check into bad) */
+static inline __m256i scaled8(__m256i x, __m256 scale, __m256i *bad, __m256i *unused) {
+    const __m256i h = cvt8_bf16(x, bad);
+    return cvt8_bf16(_mm256_castps_si256(_mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(h, 16)), scale)), unused);
+}
+
+static int bf16_b_avx2(const uint8_t *restrict src, const pack_piece *p, uint16_t *restrict out, uint32_t *bad) {
+    const int64_t n_out = p->rows, r = p->cols;
+    if (p->kind != 1 || p->src_dtype > 1 || r % 8 || n_out % 16) return 0;
+    const int bf16_src = p->src_dtype == 1;
+    const __m256 scale = _mm256_set1_ps(p->scale);
+    __m256i b = _mm256_setzero_si256(), unused = _mm256_setzero_si256();
+    for (int64_t j0 = 0; j0 < n_out; j0 += 16) {
+        for (int64_t k0 = 0; k0 < r; k0 += 8) {
+            __m256i lo[8], hi[8];                     /* rows j0 .. j0 + 7 and j0 + 8 .. j0 + 15, ranks k0 .. */
+            for (int i = 0; i < 8; i++) {
+                lo[i] = scaled8(load8_bits(src, bf16_src, (j0 + i) * r + k0), scale, &b, &unused);
+                hi[i] = scaled8(load8_bits(src, bf16_src, (j0 + 8 + i) * r + k0), scale, &b, &unused);
+            }
+            transpose8(lo);
+            transpose8(hi);
+            for (int c = 0; c < 8; c++) {              /* rank k0 + c: its 16 values, in order */
+                const __m256i v = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo[c], hi[c]), 0xD8);
+                _mm256_storeu_si256((__m256i *)(out + p->dst + (k0 + c) * n_out + j0), v);
+            }
+        }
+    }
+    *bad = !_mm256_testz_si256(b, b);
+    return 1;
+}
+#endif
+
 static uint32_t pack_piece_bf16(const uint8_t *src, const pack_piece *p, void *out) {
     uint16_t *o = (uint16_t *)out;
 #ifdef __AVX512BW__
@@ -238,6 +312,10 @@ static uint32_t pack_piece_bf16(const uint8_t *src, const pack_piece *p, void *o
     if (p->src_dtype == 0 && p->kind == 0 && f32_bf16_run_stream((const float *)src, p, o, &bad)) return bad;
     if (p->src_dtype == 0 && p->kind == 0 && f32_bf16_a_stream((const float *)src, p, o, &bad)) return bad;
     if (p->src_dtype == 0 && p->kind == 2 && f32_bf16_b_stream((const float *)src, p, o, &bad)) return bad;
+#endif
+#ifdef __AVX2__
+    uint32_t bad2 = 0;
+    if (p->kind == 1 && bf16_b_avx2(src, p, o, &bad2)) return bad2;
 #endif
     switch (p->src_dtype * 2 + (p->kind != 0)) {
     case 0: return f32_bf16_a(src, p, o);

@@ -1,7 +1,8 @@
 """The C packer reads an adapter straight from its safetensors file into the CPU kernels' layout with the
 bits of the torch path (GroupPacker.place), from float32, bfloat16 and float16 files, on one thread or two,
 and names the first tensor holding NaN or infinity. Ranks: 5 (odd: B's scalar path), 8 and 64 (float32 to
-bfloat16: AVX-512's streamed A and paired B where the CPU has it), 70 (B's ranks in two column tiles)."""
+bfloat16: AVX-512's streamed A and paired B where the CPU has it; on AVX2 without AVX512-BF16, float32 and
+bfloat16 files' B through the 8x8-transposing path), 70 (B's ranks in two column tiles)."""
 import ctypes
 import mmap
 import threading
