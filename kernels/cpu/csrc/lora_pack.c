@@ -279,25 +279,62 @@ static inline __m256i scaled8(__m256i x, __m256 scale, __m256i *bad, __m256i *un
     return cvt8_bf16(_mm256_castps_si256(_mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(h, 16)), scale)), unused);
 }
 
+/* 16 bf16 (two 8-lane halves, low 16 bits each) in order -> 32 bytes */
+static inline __m256i pack16(__m256i lo, __m256i hi) {
+    return _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
+}
+
+/* B: JB2 rows x 8 ranks a step; with the rank rows 64-byte aligned (out a multiple of 32), each rank's 32
+ * values are one whole line written around the caches (non-temporal: the pages are next read by a step,
+ * from memory anyway; no destination line is read first), else 16 rows a step with plain stores */
 static int bf16_b_avx2(const uint8_t *restrict src, const pack_piece *p, uint16_t *restrict out, uint32_t *bad) {
     const int64_t n_out = p->rows, r = p->cols;
     if (p->kind != 1 || p->src_dtype > 1 || r % 8 || n_out % 16) return 0;
     const int bf16_src = p->src_dtype == 1;
+    const int stream = n_out % 32 == 0 && (uintptr_t)(out + p->dst) % 64 == 0;
+    const int64_t rows = stream ? 32 : 16;
     const __m256 scale = _mm256_set1_ps(p->scale);
     __m256i b = _mm256_setzero_si256(), unused = _mm256_setzero_si256();
-    for (int64_t j0 = 0; j0 < n_out; j0 += 16) {
+    for (int64_t j0 = 0; j0 < n_out; j0 += rows) {
         for (int64_t k0 = 0; k0 < r; k0 += 8) {
-            __m256i lo[8], hi[8];                     /* rows j0 .. j0 + 7 and j0 + 8 .. j0 + 15, ranks k0 .. */
-            for (int i = 0; i < 8; i++) {
-                lo[i] = scaled8(load8_bits(src, bf16_src, (j0 + i) * r + k0), scale, &b, &unused);
-                hi[i] = scaled8(load8_bits(src, bf16_src, (j0 + 8 + i) * r + k0), scale, &b, &unused);
+            __m256i t[4][8];                          /* rows j0 + 8q .. j0 + 8q + 7, ranks k0 .. k0 + 7 */
+            for (int q = 0; q < rows / 8; q++) {
+                for (int i = 0; i < 8; i++)
+                    t[q][i] = scaled8(load8_bits(src, bf16_src, (j0 + 8 * q + i) * r + k0), scale, &b, &unused);
+                transpose8(t[q]);
             }
-            transpose8(lo);
-            transpose8(hi);
-            for (int c = 0; c < 8; c++) {              /* rank k0 + c: its 16 values, in order */
-                const __m256i v = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo[c], hi[c]), 0xD8);
-                _mm256_storeu_si256((__m256i *)(out + p->dst + (k0 + c) * n_out + j0), v);
+            for (int c = 0; c < 8; c++) {              /* rank k0 + c: its values, in order */
+                uint16_t *d = out + p->dst + (k0 + c) * n_out + j0;
+                if (stream) {
+                    _mm256_stream_si256((__m256i *)d, pack16(t[0][c], t[1][c]));
+                    _mm256_stream_si256((__m256i *)(d + 16), pack16(t[2][c], t[3][c]));
+                } else {
+                    _mm256_storeu_si256((__m256i *)d, pack16(t[0][c], t[1][c]));
+                }
             }
+        }
+    }
+    *bad = !_mm256_testz_si256(b, b);
+    return 1;
+}
+
+/* kind 0 (A's rows) into bf16 from fp32 or bf16, each row's start 64-byte aligned and cols a multiple of
+ * 32: 32 values a line, written around the caches */
+static int bf16_a_avx2(const uint8_t *restrict src, const pack_piece *p, uint16_t *restrict out, uint32_t *bad) {
+    if (p->kind != 0 || p->src_dtype > 1 || p->cols % 32 || (uintptr_t)(out + p->dst) % 64 ||
+        (uintptr_t)(out + p->dst + (int64_t)p->g * p->cols) % 64 || (p->G * p->cols) % 32) return 0;
+    const int bf16_src = p->src_dtype == 1;
+    __m256i b = _mm256_setzero_si256();
+    for (int64_t k = 0; k < p->rows; k++) {
+        uint16_t *d = out + p->dst + (k * p->G + p->g) * p->cols;
+        const int64_t s = k * p->cols;
+        for (int64_t j = 0; j < p->cols; j += 32) {
+            const __m256i h0 = cvt8_bf16(load8_bits(src, bf16_src, s + j), &b);
+            const __m256i h1 = cvt8_bf16(load8_bits(src, bf16_src, s + j + 8), &b);
+            const __m256i h2 = cvt8_bf16(load8_bits(src, bf16_src, s + j + 16), &b);
+            const __m256i h3 = cvt8_bf16(load8_bits(src, bf16_src, s + j + 24), &b);
+            _mm256_stream_si256((__m256i *)(d + j), pack16(h0, h1));
+            _mm256_stream_si256((__m256i *)(d + j + 16), pack16(h2, h3));
         }
     }
     *bad = !_mm256_testz_si256(b, b);
@@ -316,6 +353,7 @@ static uint32_t pack_piece_bf16(const uint8_t *src, const pack_piece *p, void *o
 #ifdef __AVX2__
     uint32_t bad2 = 0;
     if (p->kind == 1 && bf16_b_avx2(src, p, o, &bad2)) return bad2;
+    if (p->kind == 0 && bf16_a_avx2(src, p, o, &bad2)) return bad2;
 #endif
     switch (p->src_dtype * 2 + (p->kind != 0)) {
     case 0: return f32_bf16_a(src, p, o);
@@ -346,13 +384,13 @@ int pack_lora(const uint8_t *data, const pack_piece *pieces, int n, void *out, i
         const pack_piece *p = pieces + i;
         const uint32_t bad = bf16 ? pack_piece_bf16(data + p->src, p, out) : pack_piece_f32(data + p->src, p, out);
         if (bad) {
-#ifdef __AVX512BW__
+#if defined(__AVX512BW__) || defined(__AVX2__)
             _mm_sfence();
 #endif
             return -(1 + i);
         }
     }
-#ifdef __AVX512BW__
+#if defined(__AVX512BW__) || defined(__AVX2__)
     _mm_sfence();           /* the streamed lines are written before the caller hands the pages on */
 #endif
     return 0;
