@@ -8,6 +8,7 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
+TEST_WORKERS ?= $(shell nproc)
 
 .PHONY: setup serve test bench clean gpu-check soak browser
 
@@ -34,7 +35,10 @@ browser:
 
 test: $(STAMP) browser
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q tests
+	# the Triton interpreter's tests (pure Python, nothing timed) on every core at once, then the rest one at a
+	# time: they time steps, start servers and share the 2 cores with them (tests/conftest.py marks them)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m interpreter tests
+	$(BIN)/python -m pytest -q -m "not interpreter" tests
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_engine.py

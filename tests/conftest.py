@@ -10,6 +10,21 @@ import pytest
 import torch
 
 
+def pytest_collection_modifyitems(config, items):
+    """Mark `interpreter` the tests that run Triton kernels in its interpreter: the Triton backend's cases, the
+    kernel tests and the compile check. Pure Python and single-threaded, with nothing timed, they are a third
+    of the suite's time on 2 cores, so `make test` runs them on both cores at once (pytest-xdist) and the rest,
+    which time things and start servers, one at a time."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    for item in items:
+        params = getattr(item, "callspec", None)
+        on_triton = params is not None and any(isinstance(v, str) and v == "triton" for v in params.params.values())
+        path = item.nodeid.split("::")[0]
+        if on_triton or path.startswith("tests/kernels/triton/") or path.endswith("test_triton_compile_check.py"):
+            item.add_marker(pytest.mark.interpreter)
+
+
 @pytest.fixture(scope="session")
 def model_dir():
     from engine.model.default_model import default_model_dir

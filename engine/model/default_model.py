@@ -61,7 +61,21 @@ def _convert(src: Path, out: Path) -> None:
     AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name).save_pretrained(tmp)
     steps.update()
     steps.close()
-    if out.exists():
-        import shutil
-        shutil.rmtree(out)
-    tmp.rename(out)
+    _publish(tmp, out)
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move a finished conversion into place. Another process (a second test worker, a second server) may
+    have converted the model meanwhile: its complete copy is kept, since it may be reading it already."""
+    import shutil
+    done = lambda: (out / "config.json").is_file() and (out / "model.safetensors").is_file()  # noqa: E731
+    if not done():
+        if out.exists():
+            shutil.rmtree(out)           # a partial copy a killed conversion left
+        try:
+            tmp.rename(out)
+            return
+        except OSError:
+            if not done():
+                raise
+    shutil.rmtree(tmp)

@@ -199,6 +199,44 @@ static inline void expand_avx2(const uint16_t *bs, int64_t o, int r, const float
     }
 }
 
+/* y[0, o) += sum_k v[k * G] * Bt[k] for one token, Bt read row after row (each row front to back: one
+ * sequential stream, which the hardware prefetchers follow, where expand_tile's column tiles cross r rows
+ * at once). acc: scratch of PADDED(o) fp32, per 16 columns the even then the odd sums. Column c's sum still
+ * takes rank 0, 1, ... r - 1 in order from zero, so the bits are expand_tile's. One walker step per 64
+ * columns of a row. */
+static inline void expand_rows(const uint16_t *bs, int64_t o, int r, const float *v, int G, uint16_t *y, float *acc,
+                               walker *pf) {
+    const int64_t full = o / CH * CH;
+    memset(acc, 0, sizeof(float) * (size_t)PADDED(o));
+    int k = 0;
+    for (; k + 2 <= r; k += 2) {      /* two rows a pass: half the accumulator traffic, the same order */
+        const __m256 v0 = _mm256_broadcast_ss(v + (int64_t)k * G), v1 = _mm256_broadcast_ss(v + (int64_t)(k + 1) * G);
+        const uint16_t *b0 = bs + (int64_t)k * o, *b1 = b0 + o;
+        for (int64_t j = 0; j < o; j += CH) {
+            if (pf && (j & (4 * CH - 1)) == 0) { walker_step(pf); walker_step(pf); }
+            const __m256i w0 = j < full ? load16(b0 + j) : load16_part(b0 + j, (int)(o - j));
+            const __m256i w1 = j < full ? load16(b1 + j) : load16_part(b1 + j, (int)(o - j));
+            __m256 e = _mm256_loadu_ps(acc + j), d = _mm256_loadu_ps(acc + j + 8);
+            e = _mm256_fmadd_ps(even8(w1), v1, _mm256_fmadd_ps(even8(w0), v0, e));
+            d = _mm256_fmadd_ps(odd8(w1), v1, _mm256_fmadd_ps(odd8(w0), v0, d));
+            _mm256_storeu_ps(acc + j, e);
+            _mm256_storeu_ps(acc + j + 8, d);
+        }
+    }
+    for (; k < r; k++) {
+        const __m256 vk = _mm256_broadcast_ss(v + (int64_t)k * G);
+        const uint16_t *bk = bs + (int64_t)k * o;
+        for (int64_t j = 0; j < o; j += CH) {
+            if (pf && (j & (4 * CH - 1)) == 0) walker_step(pf);
+            const __m256i w = j < full ? load16(bk + j) : load16_part(bk + j, (int)(o - j));
+            _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(even8(w), vk, _mm256_loadu_ps(acc + j)));
+            _mm256_storeu_ps(acc + j + 8, _mm256_fmadd_ps(odd8(w), vk, _mm256_loadu_ps(acc + j + 8)));
+        }
+    }
+    for (int64_t j = 0; j < o; j += CH)
+        add_store16(y + j, _mm256_loadu_ps(acc + j), _mm256_loadu_ps(acc + j + 8), o - j < CH ? (int)(o - j) : CH);
+}
+
 /* walker steps lora_token_avx2 takes for a token of rank r */
 static inline int64_t token_steps(int r, int G, int in, const int64_t *out) {
     int64_t n = (int64_t)(r * G + 7) / 8 * (in / CH);
@@ -217,15 +255,15 @@ static inline void walk_token(walker *pf, const uint16_t *as, int r, int G, int 
 }
 
 /* One token's whole delta: y[col_g + c] += sum_k (A[k, g] . x) Bt_g[k][c] for every output g, rounded once.
- * xs: the token's split x; as: its A; bg[g]: its Bt_g; v: scratch of >= r * G floats; pf: NULL, or the
- * next token's bytes to prefetch meanwhile (walk_token with token_steps of this one): a decode token's
- * adapter is read once, from memory, and its reads would otherwise wait on each miss. */
+ * xs: the token's split x; as: its A; bg[g]: its Bt_g; v: scratch of >= r * G floats; acc: scratch of
+ * PADDED(max out_g) floats; pf: NULL, or the next token's bytes to prefetch meanwhile (walk_token with
+ * token_steps of this one): a decode token's adapter is read once, from memory, and its reads would
+ * otherwise wait on each miss. */
 static inline void lora_token_avx2(const float *xs, uint16_t *yt, const uint16_t *as, int r, int G, int in,
-                                   const uint16_t *const *bg, const int64_t *out, float *v, walker *pf) {
+                                   const uint16_t *const *bg, const int64_t *out, float *v, float *acc, walker *pf) {
     shrink_avx2(xs, as, r * G, in, v, pf);
     for (int g = 0; g < G; g++) {
-        const float *vg = v + g;
-        expand_avx2(bg[g], out[g], r, &vg, G, &yt, 1, pf);
+        expand_rows(bg[g], out[g], r, v + g, G, yt, acc, pf);
         yt += out[g];
     }
 }
