@@ -8,7 +8,8 @@ BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 HOST    ?= 127.0.0.1
 PORT    ?= 8000
-TEST_WORKERS ?= $(shell nproc)
+# workers for the Triton interpreter's tests: every core, at most 4 (each holds its own models, ~1.5 GB)
+TEST_WORKERS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
 
 .PHONY: setup serve test bench clean gpu-check soak browser
 

@@ -13,7 +13,7 @@ import torch
 def pytest_collection_modifyitems(config, items):
     """Mark `interpreter` the tests that run Triton kernels in its interpreter: the Triton backend's cases, the
     kernel tests and the compile check. Pure Python and single-threaded, with nothing timed, they are a third
-    of the suite's time on 2 cores, so `make test` runs them on both cores at once (pytest-xdist) and the rest,
+    of the suite's time on 2 cores, so `make test` runs them on up to 4 cores at once (pytest-xdist) and the rest,
     which time things and start servers, one at a time."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return
