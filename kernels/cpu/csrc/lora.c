@@ -451,7 +451,7 @@ static int segments_run(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_
                 const float *vg[TT];
                 uint16_t *yg[TT];
                 for (int t = 0; t < nt; t++) { vg[t] = v + t * MAX_RANK_ROWS + g; yg[t] = ys[t] + col; }
-                expand_avx2(b[s * G + g], out[g], r, vg, G, yg, nt, 0);
+                expand_avx2(b[s * G + g], out[g], r, vg, G, yg, nt);
                 col += out[g];
             }
         }

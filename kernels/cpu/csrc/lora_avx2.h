@@ -151,14 +151,12 @@ static inline void add_store16(uint16_t *y, __m256 ev, __m256 od, int n) {
  * stride o */
 #define TT 4
 static inline __attribute__((always_inline)) void expand_tile(const uint16_t *bs, int64_t o, int r, const float *const *v,
-                                                              int G, uint16_t *const *y, int nt, int NQ, int ncols,
-                                                              walker *pf) {
+                                                              int G, uint16_t *const *y, int nt, int NQ, int ncols) {
     __m256 e[TT][4], d[TT][4];
     for (int t = 0; t < TT; t++)
         for (int q = 0; q < NQ; q++) e[t][q] = d[t][q] = _mm256_setzero_ps();
     const int full = ncols == NQ * CH;
     for (int k = 0; k < r; k++, bs += o) {
-        if (pf) walker_step(pf);
         __m256i w[4];
         for (int q = 0; q < NQ; q++)
             w[q] = full || (q + 1) * CH <= ncols ? load16(bs + q * CH) : load16_part(bs + q * CH, ncols - q * CH);
@@ -179,23 +177,23 @@ static inline __attribute__((always_inline)) void expand_tile(const uint16_t *bs
 }
 
 /* y[t][0, o) += sum_k v[t][k * G] * Bt[k] for t < nt (bs: Bt [r][o] of one output; v[t]: that output's
- * first intermediate, ranks at step G): 4 chunks of columns at a time for one token, 1 for several */
+ * first intermediate, ranks at step G): 4 chunks of columns at a time for one token, 1 for several (the
+ * segment kernel's expand; a decode token's is expand_rows, the same bits) */
 static inline void expand_avx2(const uint16_t *bs, int64_t o, int r, const float *const *v, int G,
-                               uint16_t *const *y, int nt, walker *pf) {
+                               uint16_t *const *y, int nt) {
     int64_t j = 0;
     uint16_t *yj[TT];
     if (nt == 1)
         for (; j + 4 * CH <= o; j += 4 * CH) {
             yj[0] = y[0] + j;
-            if (pf) expand_tile(bs + j, o, r, v, G, yj, 1, 4, 4 * CH, pf);
-            else expand_tile(bs + j, o, r, v, G, yj, 1, 4, 4 * CH, 0);
+            expand_tile(bs + j, o, r, v, G, yj, 1, 4, 4 * CH);
         }
     for (; j < o; j += CH) {     /* NOTE: a constant token count keeps the accumulators in registers */
         for (int t = 0; t < nt; t++) yj[t] = y[t] + j;
         const int n = o - j < CH ? (int)(o - j) : CH;
-        if (nt == TT) expand_tile(bs + j, o, r, v, G, yj, TT, 1, n, 0);
-        else if (nt == 1) expand_tile(bs + j, o, r, v, G, yj, 1, 1, n, pf);
-        else expand_tile(bs + j, o, r, v, G, yj, nt, 1, n, 0);
+        if (nt == TT) expand_tile(bs + j, o, r, v, G, yj, TT, 1, n);
+        else if (nt == 1) expand_tile(bs + j, o, r, v, G, yj, 1, 1, n);
+        else expand_tile(bs + j, o, r, v, G, yj, nt, 1, n);
     }
 }
 
