@@ -16,7 +16,7 @@ from pathlib import Path
 from aiohttp import web
 
 from engine import envs, metrics
-from engine.tokenizer import load_tokenizer
+from engine.tokenizer import load_tokenizer, tokenizer_only
 from frontends import api_requests, ready
 from frontends import api_responses as r
 from frontends.api_error import ApiError
@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-buffer", type=int, default=MAX_BUFFERED)
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
     args = p.parse_args(argv)
+    tokenizer_only()      # this process never computes: its tokenizer loads without torch
     auth = parse_auth(envs.auth_config(), envs.api_key(), envs.ingress_metrics_key())
     logging.basicConfig(level=envs.log_level(),
                         format=f"%(asctime)s {args.frontend_id} %(levelname)s %(message)s")

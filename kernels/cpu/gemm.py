@@ -7,7 +7,8 @@ Two variants, picked once per process by what the CPU has:
   Where the CPU has AMX-BF16, the same packed weights run on AMX tiles instead (`amx`; on an AMX Xeon the
   whole engine ran 3.23x faster than on the vdpbf16ps tiles: `bench_engine --tiles`, docs/performance.md).
 - AVX2 + FMA (gemm_avx2.c; AMD Zen, older Intel): bf16 stored in 16-column blocks, fp32 computed. There,
-  torch's bf16 matmul has no native kernel and runs 6-9x slower than its fp32 one.
+  torch's bf16 matmul has no native kernel and runs 6-9x slower than its fp32 one. With a GemmLora, the
+  adapters' bytes stream in while its tiles compute (gemm_lora_avx2.c).
 Both compute each output as one fp32 sum (over k in order; AMX in its own order), rounded once, so a row
 never depends on the batch.
 """
@@ -45,15 +46,20 @@ def amx(on: bool | None = None) -> bool:
 
 @functools.cache
 def variant(name: str) -> dict | None:
-    """{"plain": fn, "nb": block columns[, "lora": fn]} of GEMM variant `name` ("avx512bf16" or "avx2"),
-    or None where this CPU lacks it or it cannot be built."""
+    """{"plain": fn, "nb": block columns[, "lora": fn, "v_cols": fn, "paired": bool]} of GEMM variant `name`
+    ("avx512bf16" or "avx2"), or None where this CPU lacks it or it cannot be built. v_cols(R, G): the int32
+    columns of the LoRA call's scratch per row (bf16 pairs on AVX512-BF16, fp32 on AVX2); paired: whether
+    its B is in the paired layout."""
     if name == "avx512bf16" and has_avx512_bf16():
         fns = load_functions("gemm_avx512bf16", {"plain": "gemm_bf16"})
         lora = load_functions("gemm_lora_avx512bf16", {"lora": "gemm_lora_bf16"}) if fns is not None else None
-        return None if fns is None else {**fns, **(lora or {}), "nb": NB}
+        v_cols = {"v_cols": lambda r, g: (r + 1) // 2 * g, "paired": True} if lora else {}
+        return None if fns is None else {**fns, **(lora or {}), **v_cols, "nb": NB}
     if name == "avx2" and has_avx2_fma():
         fns = load_functions("gemm_avx2", {"plain": "gemm_bf16_avx2"})
-        return None if fns is None else {**fns, "nb": NB_AVX2}
+        lora = load_functions("gemm_lora_avx2", {"lora": "gemm_lora_bf16_avx2"}) if fns is not None else None
+        v_cols = {"v_cols": lambda r, g: r * g, "paired": False} if lora else {}
+        return None if fns is None else {**fns, **(lora or {}), **v_cols, "nb": NB_AVX2}
     return None
 
 
@@ -74,11 +80,12 @@ def _fn():
 
 @dataclass
 class GemmLora:
-    """The multi-LoRA of some rows, for Gemm.__call__ to compute inside the GEMM (gemm_lora_avx512bf16.c): row t with
-    slot[t] >= 0 gets y[t, cols of output g] += Bt_g(s)[:r]^T @ (A(s)[:r, g] @ x[t]), s = slot[t], r = rank[t].
-    slot, rank: [M] int64; a, b: addresses of the slots' pointer tables (lora.Weights: a[s] -> A [R_s, G, K],
-    b[s * G + g] -> paired Bt [ceil(R_s / 2), out_g, 2]); max_rank: the largest R_s; outs: ctypes array of the
-    G output widths (multiples of 16, summing to N; see kernels/cpu/csrc/lora_avx512bf16.h)."""
+    """The multi-LoRA of some rows, for Gemm.__call__ to compute inside the GEMM (gemm_lora_avx512bf16.c,
+    gemm_lora_avx2.c): row t with slot[t] >= 0 gets y[t, cols of output g] += Bt_g(s)[:r]^T @ (A(s)[:r, g] @ x[t]),
+    s = slot[t], r = rank[t]. slot, rank: [M] int64; a, b: addresses of the slots' pointer tables (lora.Weights:
+    a[s] -> A [R_s, G, K], b[s * G + g] -> Bt [R_s, out_g], on AVX512-BF16 paired [ceil(R_s / 2), out_g, 2]);
+    max_rank: the largest R_s; outs: ctypes array of the G output widths (multiples of 16, summing to N; see
+    kernels/cpu/csrc/lora_avx512bf16.h)."""
     slot: torch.Tensor
     rank: torch.Tensor
     a: int
@@ -87,6 +94,7 @@ class GemmLora:
     in_features: int
     b: int
     outs: object
+    paired: bool
     owner: object = None   # what keeps the tables behind a and b alive (the lora.Weights)
 
 
@@ -133,7 +141,8 @@ class Gemm:
         else:
             r, g = lora.max_rank, lora.groups
             assert lora.slot.shape == lora.rank.shape == (m,) and lora.in_features == self.in_features
-            v = torch.empty(m, (r + 1) // 2 * g, dtype=torch.int32)   # the shrink's results as bf16 pairs (scratch)
+            assert lora.paired == self.fns["paired"], "this GEMM reads B in the other layout"
+            v = torch.empty(m, self.fns["v_cols"](r, g), dtype=torch.int32)   # the shrinks' results (scratch)
             rc = self.fns["lora"](*args, lora.slot.data_ptr(), lora.rank.data_ptr(), lora.a, r, g, lora.b, lora.outs,
                                   v.data_ptr(), v.stride(0))
         if rc != 0:

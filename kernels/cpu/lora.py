@@ -1,5 +1,5 @@
 """ctypes bindings of the C multi-LoRA kernels (lora.c) and of what the bf16 GEMM needs to compute
-decode tokens' LoRA itself (gemm_lora_avx512bf16.c).
+decode tokens' LoRA itself (gemm_lora_avx512bf16.c, gemm_lora_avx2.c).
 
 A `LoraDecode` (decode tokens), `LoraSegments` (prefill tokens grouped by adapter; on AMX every token) or
 `LoraRows` (decode tokens, for the GEMM) is prepared once per step and then used for every layer and fused group; weight
@@ -66,7 +66,7 @@ def unpair_rows(b: torch.Tensor) -> torch.Tensor:
 
 
 def supports_fused(dtype: torch.dtype) -> bool:
-    """Whether the C base GEMM computes decode tokens' LoRA itself here (LoraRows; bf16, AVX512-BF16)."""
+    """Whether the C base GEMM computes decode tokens' LoRA itself here (LoraRows; bf16, AVX512-BF16 or AVX2)."""
     return dtype == torch.bfloat16 and c_gemm.supports_lora()
 
 
@@ -180,7 +180,7 @@ class LoraSegments:
 
 
 class LoraRows:
-    """Decode tokens whose whole LoRA the C base GEMM computes (c_gemm.GemmLora, gemm_lora_avx512bf16.c): (t, s, r)
+    """Decode tokens whose whole LoRA the C base GEMM computes (c_gemm.GemmLora, gemm_lora_*.c): (t, s, r)
     for t, s, r in zip(tokens, slots, ranks), tokens distinct rows of a step of num_rows tokens.
     Requires supports_fused(dtype)."""
 
@@ -192,5 +192,6 @@ class LoraRows:
         self.row_rank[tokens] = ranks.to(torch.int64)
 
     def __call__(self, w: Weights) -> c_gemm.GemmLora:
-        assert w.fusable and w.paired
-        return c_gemm.GemmLora(self.row_slot, self.row_rank, w.a, w.max_rank, w.groups, w.n_in, w.b, w.outs, w)
+        assert w.fusable
+        return c_gemm.GemmLora(self.row_slot, self.row_rank, w.a, w.max_rank, w.groups, w.n_in, w.b, w.outs,
+                               w.paired, w)

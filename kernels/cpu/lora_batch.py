@@ -2,19 +2,19 @@
 token t, reading each adapter in place in the pool's pages (kernels/cpu/paged_adapters.py), with no loop
 over adapters in Python.
 
-Tokens are grouped once per step (`LoraBatch.build`); the step's distinct adapters become "slots" 0..S-1
-of its pointer tables (lora.Weights). Decode tokens (the first `num_decode`, one per request) go to the C
-kernel (kernels/cpu/csrc/lora.c): one task per token that streams its adapter's own rank of A and B once,
-in fp32, so a decode token's delta never depends on who shares the step or its adapter. In bf16 with the
-AVX512-BF16 C GEMM, the GEMM computes those tokens' LoRA itself (`fused`, kernels/cpu/csrc/gemm_lora_avx512bf16.c): the
-adapters' bytes stream in while it computes. In bf16 with AVX512-BF16 or AVX2, prefill tokens go to the
-segment kernel (tokens grouped by adapter, 4 at a time per weight load, each token still computed on its
-own); otherwise (fp32, or bf16 on other CPUs) to the per-token kernel. Where AMX tiles run
-(c_lora.segments_on_amx), every token goes to the segment kernel, decode tokens grouped by adapter with
-the prefill ones: it runs up to 16 tokens of an adapter per AMX task (kernels/cpu/csrc/lora_amx.h), so an
-adapter that 20 requests share is read twice a step, not 20 times, and its FLOPs run at AMX's rate.
-Ranks or widths beyond what the C kernels were compiled for take a plain torch loop over the step's
-adapters (`fallback`).
+Tokens are grouped once per step (`LoraBatch.build`); the step's distinct adapters become "slots" 0..S-1 of
+its pointer tables (lora.Weights). Decode tokens (the first `num_decode`, one per request) go to the C kernel
+(kernels/cpu/csrc/lora.c): one task per token that streams its adapter's own rank of A and B once, in fp32, so
+a decode token's delta never depends on who shares the step or its adapter. In bf16 with the C GEMM
+(AVX512-BF16 or AVX2), the GEMM computes those tokens' LoRA itself (`fused`,
+kernels/cpu/csrc/gemm_lora_avx512bf16.c, gemm_lora_avx2.c): the adapters' bytes stream in while it computes.
+In bf16 with AVX512-BF16 or AVX2, prefill tokens go to the segment kernel (tokens grouped by adapter, 4 at a
+time per weight load, each token still computed on its own); otherwise (fp32, or bf16 on other CPUs) to the
+per-token kernel. Where AMX tiles run (c_lora.segments_on_amx), every token goes to the segment kernel, decode
+tokens grouped by adapter with the prefill ones: it runs up to 16 tokens of an adapter per AMX task
+(kernels/cpu/csrc/lora_amx.h), so an adapter that 20 requests share is read twice a step, not 20 times, and
+its FLOPs run at AMX's rate. Ranks or widths beyond what the C kernels were compiled for take a plain torch
+loop over the step's adapters (`fallback`).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def use_c_kernel(adapters: CpuPagedAdapters) -> bool:
 
 
 def fuse_into_gemm(adapters: CpuPagedAdapters) -> bool:
-    """Whether decode tokens' LoRA runs inside the C base GEMM (bf16 with AVX512-BF16): the adapters'
+    """Whether decode tokens' LoRA runs inside the C base GEMM (bf16, AVX512-BF16 or AVX2): the adapters'
     bytes are then read while the GEMM computes instead of in memory-bound passes of their own."""
     return use_c_kernel(adapters) and c_lora.supports_fused(adapters.dtype)
 

@@ -2,6 +2,7 @@
 import asyncio
 import json
 import shutil
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -486,3 +487,16 @@ def test_kill_9_of_the_engine_loses_no_in_flight_request(server, client, served_
     assert "tenant-x" in {m.id for m in client.models.list().data}
     out = client.completions.create(model="tenant-x", prompt="Hello", max_tokens=3, temperature=0)
     assert out.usage.completion_tokens == 3
+
+
+def test_frontends_tokenize_without_torch(server):
+    """A frontend only tokenizes: its process never maps torch (engine/tokenizer.py tokenizer_only)."""
+    children = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(server.proc.pid)], capture_output=True,
+                              text=True).stdout.splitlines()
+    fronts = [int(line.split()[0]) for line in children if "frontends.http_server" in line]
+    engines = [int(line.split()[0]) for line in children if "engine.serving.engine_proc" in line]
+    assert len(fronts) == 2 and len(engines) == 1, children     # (restarted ones too: tests above kill some)
+    for pid in fronts:
+        maps = open(f"/proc/{pid}/maps").read()
+        assert "tokenizers" in maps and "libtorch" not in maps, pid
+    assert "libtorch" in open(f"/proc/{engines[0]}/maps").read()      # the check sees torch where it is

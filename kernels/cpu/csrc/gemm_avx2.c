@@ -19,6 +19,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "walker.h"
 
 #define NC 16   /* columns per packed block */
 #define MR 5    /* rows per register tile: 10 accumulators + 2 raw + 2 converted weight vectors + 1 broadcast + mask = 16 ymm */
@@ -42,15 +43,17 @@ static inline void store_rows(const float *out, uint16_t *y, int64_t ys, int mr,
         store_rows(out_, y, ys, mr, ncols);                           \
     } while (0)
 
-/* y rows [0, mr) x columns [0, ncols) of one column block; x: fp32 rows at stride K; p: the block's panel */
+/* y rows [0, mr) x columns [0, ncols) of one column block; x: fp32 rows at stride K; p: the block's panel;
+ * pf: NULL, or a walker stepped every PF_EVERY k (gemm_lora_avx2.c: the next LoRA bytes, meanwhile) */
 static inline __attribute__((always_inline)) void tile(const float *x, const uint16_t *p, uint16_t *y, int64_t ys,
-                                                       int K, int mr, int ncols) {
+                                                       int K, int mr, int ncols, walker *pf) {
     __m256 acc[MR][2];
     for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const float *xr[MR];
     for (int r = 0; r < MR; r++) xr[r] = x + (int64_t)(r < mr ? r : 0) * K;
     const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
     for (int k = 0; k < K; k += 2, p += 2 * NC) {
+        if (pf && k % PF_EVERY == 0) walker_step(pf);
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)p), w1 = _mm256_loadu_si256((const __m256i *)(p + 16));
         __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), b = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
 #pragma GCC unroll 8
@@ -75,18 +78,22 @@ static inline __attribute__((always_inline)) void tile(const float *x, const uin
  * loop, one more row. The FMAs and their order are those of tile(), so both give identical bits. */
 #define MR32 6
 static inline __attribute__((always_inline)) void tile_f32(const float *x, const float *w, uint16_t *y, int64_t ys,
-                                                           int K, int mr, int ncols) {
+                                                           int K, int mr, int ncols, walker *pf) {
     __m256 acc[MR32][2];
     for (int r = 0; r < MR32; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const float *xr[MR32];
     for (int r = 0; r < MR32; r++) xr[r] = x + (int64_t)(r < mr ? r : 0) * K;
-    for (int k = 0; k < K; k++, w += NC) {
-        const __m256 a = _mm256_loadu_ps(w), b = _mm256_loadu_ps(w + 8);
+    for (int k0 = 0; k0 < K; k0 += PF_EVERY) {   /* a walker step between runs of PF_EVERY k: the k loop stays dense */
+        if (pf) walker_step(pf);
+        const int k1 = k0 + PF_EVERY < K ? k0 + PF_EVERY : K;
+        for (int k = k0; k < k1; k++, w += NC) {
+            const __m256 a = _mm256_loadu_ps(w), b = _mm256_loadu_ps(w + 8);
 #pragma GCC unroll 8
-        for (int r = 0; r < MR32; r++) {
-            const __m256 xv = _mm256_broadcast_ss(xr[r] + k);
-            acc[r][0] = _mm256_fmadd_ps(a, xv, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(b, xv, acc[r][1]);
+            for (int r = 0; r < MR32; r++) {
+                const __m256 xv = _mm256_broadcast_ss(xr[r] + k);
+                acc[r][0] = _mm256_fmadd_ps(a, xv, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(b, xv, acc[r][1]);
+            }
         }
     }
     STORE_TILE(acc, MR32, y, ys, mr, ncols);
@@ -101,6 +108,56 @@ static void widen_panel(const uint16_t *p, float *w, int K) {
         }
 }
 
+/* a [K, 16] fp32 panel, 64-byte aligned: each k's 16 columns one cache line (free() it) */
+static inline float *panel_alloc(int K) { return aligned_alloc(64, sizeof(float) * (size_t)K * NC); }
+
+/* How a call's rows and column blocks become tasks: (row block of <= MC rows, column block). */
+typedef struct {
+    const float *xf;          /* [M, K] fp32 */
+    const uint16_t *p;
+    uint16_t *y;
+    int64_t ys;
+    int M, K, N, nblocks, mblocks, mc;
+} gemm_plan;
+
+static gemm_plan plan_gemm(const float *xf, const uint16_t *p, uint16_t *y, int64_t ys, int M, int K, int N) {
+    gemm_plan g = {xf, p, y, ys, M, K, N, (N + NC - 1) / NC, (M + MC - 1) / MC, 0};
+    g.mc = ((M + g.mblocks - 1) / g.mblocks + MR - 1) / MR * MR;   /* balanced row blocks */
+    return g;
+}
+
+/* the walker steps gemm_task(g, task, w, pf) takes (w: whether it has a panel) */
+static inline int64_t task_steps(const gemm_plan *g, int task, int w) {
+    const int m0 = task / g->nblocks * g->mc, mr = (g->M - m0 < g->mc ? g->M - m0 : g->mc);
+    const int rows = w && mr > MR ? MR32 : MR;   /* either tile steps at k = 0, PF_EVERY, 2 PF_EVERY, ... */
+    return (int64_t)(g->K + PF_EVERY - 1) / PF_EVERY * ((mr + rows - 1) / rows);
+}
+
+/* task mb * nblocks + nb: rows of row block mb x column block nb; w: NULL, or a [K, 16] fp32 panel
+ * (widened once when the task has more than MR rows); pf as tile() */
+static inline __attribute__((always_inline)) void gemm_task(const gemm_plan *g, int task, float *w, walker *pf) {
+    const int mb = task / g->nblocks, nb = task % g->nblocks, K = g->K;
+    const int m0 = mb * g->mc, m1 = m0 + g->mc < g->M ? m0 + g->mc : g->M;
+    const int ncols = g->N - nb * NC < NC ? g->N - nb * NC : NC;
+    const uint16_t *pn = g->p + (int64_t)nb * K * NC;
+    uint16_t *yb = g->y + nb * NC;
+    if (w && m1 - m0 > MR) {   /* several row tiles: widen the panel once, then pure fp32 tiles */
+        widen_panel(pn, w, K);
+        for (int m = m0; m < m1; m += MR32)
+            tile_f32(g->xf + (int64_t)m * K, w, yb + (int64_t)m * g->ys, g->ys, K, m1 - m < MR32 ? m1 - m : MR32, ncols, pf);
+    } else {
+        for (int m = m0; m < m1; m += MR)
+            tile(g->xf + (int64_t)m * K, pn, yb + (int64_t)m * g->ys, g->ys, K, m1 - m < MR ? m1 - m : MR, ncols, pf);
+    }
+}
+
+/* xf [M, K] = x as fp32 (every thread of the region takes its share of rows; no barrier) */
+static inline void widen_rows_for(const uint16_t *x, int64_t xs, float *xf, int M, int K) {
+#pragma omp for schedule(static) nowait
+    for (int m = 0; m < M; m++)
+        for (int k = 0; k < K; k++) xf[(int64_t)m * K + k] = bf16_to_f32(x[m * xs + k]);
+}
+
 /* x: [M, K] bf16 rows at stride xs; p: packed W; y: [M, N] rows at stride ys.
  * Returns 0, -1 for an odd K, -2 when the fp32 copy of x cannot be allocated. */
 int gemm_bf16_avx2(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y, int64_t ys, int M, int K, int N) {
@@ -108,31 +165,15 @@ int gemm_bf16_avx2(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y
     if (M <= 0) return 0;
     float *xf = malloc(sizeof(float) * (size_t)M * K);   /* xf: [M, K] fp32 */
     if (!xf) return -2;
-#pragma omp parallel for schedule(static)
-    for (int m = 0; m < M; m++)
-        for (int k = 0; k < K; k++) xf[(int64_t)m * K + k] = bf16_to_f32(x[m * xs + k]);
-    const int nblocks = (N + NC - 1) / NC, mblocks = (M + MC - 1) / MC;
-    const int mc = ((M + mblocks - 1) / mblocks + MR - 1) / MR * MR;   /* balanced row blocks */
+    const gemm_plan g = plan_gemm(xf, p, y, ys, M, K, N);
 #pragma omp parallel
     {
+        widen_rows_for(x, xs, xf, M, K);
         /* w: [K, 16] fp32 panel; without it (M <= MR, or no memory) tile() converts in registers */
-        float *w = M > MR ? malloc(sizeof(float) * (size_t)K * NC) : NULL;
+        float *w = M > MR ? panel_alloc(K) : NULL;
+#pragma omp barrier
 #pragma omp for schedule(static)
-        for (int task = 0; task < mblocks * nblocks; task++) {
-            const int mb = task / nblocks, nb = task % nblocks;
-            const int m0 = mb * mc, m1 = m0 + mc < M ? m0 + mc : M;
-            const int ncols = N - nb * NC < NC ? N - nb * NC : NC;
-            const uint16_t *pn = p + (int64_t)nb * K * NC;
-            uint16_t *yb = y + nb * NC;
-            if (w && m1 - m0 > MR) {   /* several row tiles: widen the panel once, then pure fp32 tiles */
-                widen_panel(pn, w, K);
-                for (int m = m0; m < m1; m += MR32)
-                    tile_f32(xf + (int64_t)m * K, w, yb + (int64_t)m * ys, ys, K, m1 - m < MR32 ? m1 - m : MR32, ncols);
-            } else {
-                for (int m = m0; m < m1; m += MR)
-                    tile(xf + (int64_t)m * K, pn, yb + (int64_t)m * ys, ys, K, m1 - m < MR ? m1 - m : MR, ncols);
-            }
-        }
+        for (int task = 0; task < g.mblocks * g.nblocks; task++) gemm_task(&g, task, w, 0);
         free(w);
     }
     free(xf);

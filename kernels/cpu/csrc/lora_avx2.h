@@ -197,23 +197,23 @@ static inline void expand_avx2(const uint16_t *bs, int64_t o, int r, const float
     }
 }
 
-/* y[0, o) += sum_k v[k * G] * Bt[k] for one token, Bt read row after row (each row front to back: one
- * sequential stream, which the hardware prefetchers follow, where expand_tile's column tiles cross r rows
- * at once). acc: scratch of PADDED(o) fp32, per 16 columns the even then the odd sums. Column c's sum still
- * takes rank 0, 1, ... r - 1 in order from zero, so the bits are expand_tile's. One walker step per 64
- * columns of a row. */
-static inline void expand_rows(const uint16_t *bs, int64_t o, int r, const float *v, int G, uint16_t *y, float *acc,
-                               walker *pf) {
-    const int64_t full = o / CH * CH;
-    memset(acc, 0, sizeof(float) * (size_t)PADDED(o));
+/* y[0, n) += sum_k v[k * G] * Bt[k][0, n) for one token (bs: Bt's first column of the n, rows at stride o),
+ * Bt read row after row (each row front to back: one sequential stream, which the hardware prefetchers
+ * follow, where expand_tile's column tiles cross r rows at once). acc: scratch of PADDED(n) fp32, per 16
+ * columns the even then the odd sums. Column c's sum still takes rank 0, 1, ... r - 1 in order from zero,
+ * so the bits are expand_tile's, whatever columns a call covers. One walker step per 64 columns of a row. */
+static inline void expand_rows(const uint16_t *bs, int64_t o, int64_t n, int r, const float *v, int G, uint16_t *y,
+                               float *acc, walker *pf) {
+    const int64_t full = n / CH * CH;
+    memset(acc, 0, sizeof(float) * (size_t)PADDED(n));
     int k = 0;
     for (; k + 2 <= r; k += 2) {      /* two rows a pass: half the accumulator traffic, the same order */
         const __m256 v0 = _mm256_broadcast_ss(v + (int64_t)k * G), v1 = _mm256_broadcast_ss(v + (int64_t)(k + 1) * G);
         const uint16_t *b0 = bs + (int64_t)k * o, *b1 = b0 + o;
-        for (int64_t j = 0; j < o; j += CH) {
+        for (int64_t j = 0; j < n; j += CH) {
             if (pf && (j & (4 * CH - 1)) == 0) { walker_step(pf); walker_step(pf); }
-            const __m256i w0 = j < full ? load16(b0 + j) : load16_part(b0 + j, (int)(o - j));
-            const __m256i w1 = j < full ? load16(b1 + j) : load16_part(b1 + j, (int)(o - j));
+            const __m256i w0 = j < full ? load16(b0 + j) : load16_part(b0 + j, (int)(n - j));
+            const __m256i w1 = j < full ? load16(b1 + j) : load16_part(b1 + j, (int)(n - j));
             __m256 e = _mm256_loadu_ps(acc + j), d = _mm256_loadu_ps(acc + j + 8);
             e = _mm256_fmadd_ps(even8(w1), v1, _mm256_fmadd_ps(even8(w0), v0, e));
             d = _mm256_fmadd_ps(odd8(w1), v1, _mm256_fmadd_ps(odd8(w0), v0, d));
@@ -224,21 +224,24 @@ static inline void expand_rows(const uint16_t *bs, int64_t o, int r, const float
     for (; k < r; k++) {
         const __m256 vk = _mm256_broadcast_ss(v + (int64_t)k * G);
         const uint16_t *bk = bs + (int64_t)k * o;
-        for (int64_t j = 0; j < o; j += CH) {
+        for (int64_t j = 0; j < n; j += CH) {
             if (pf && (j & (4 * CH - 1)) == 0) walker_step(pf);
-            const __m256i w = j < full ? load16(bk + j) : load16_part(bk + j, (int)(o - j));
+            const __m256i w = j < full ? load16(bk + j) : load16_part(bk + j, (int)(n - j));
             _mm256_storeu_ps(acc + j, _mm256_fmadd_ps(even8(w), vk, _mm256_loadu_ps(acc + j)));
             _mm256_storeu_ps(acc + j + 8, _mm256_fmadd_ps(odd8(w), vk, _mm256_loadu_ps(acc + j + 8)));
         }
     }
-    for (int64_t j = 0; j < o; j += CH)
-        add_store16(y + j, _mm256_loadu_ps(acc + j), _mm256_loadu_ps(acc + j + 8), o - j < CH ? (int)(o - j) : CH);
+    for (int64_t j = 0; j < n; j += CH)
+        add_store16(y + j, _mm256_loadu_ps(acc + j), _mm256_loadu_ps(acc + j + 8), n - j < CH ? (int)(n - j) : CH);
 }
+
+/* the walker steps expand_rows takes for n columns at rank r */
+static inline int64_t expand_steps(int64_t n, int r) { return (n + 4 * CH - 1) / (4 * CH) * r; }
 
 /* walker steps lora_token_avx2 takes for a token of rank r */
 static inline int64_t token_steps(int r, int G, int in, const int64_t *out) {
     int64_t n = (int64_t)(r * G + 7) / 8 * (in / CH);
-    for (int g = 0; g < G; g++) n += (out[g] + 4 * CH - 1) / (4 * CH) * r;
+    for (int g = 0; g < G; g++) n += expand_steps(out[g], r);
     return n;
 }
 
@@ -261,7 +264,7 @@ static inline void lora_token_avx2(const float *xs, uint16_t *yt, const uint16_t
                                    const uint16_t *const *bg, const int64_t *out, float *v, float *acc, walker *pf) {
     shrink_avx2(xs, as, r * G, in, v, pf);
     for (int g = 0; g < G; g++) {
-        expand_rows(bg[g], out[g], r, v + g, G, yt, acc, pf);
+        expand_rows(bg[g], out[g], out[g], r, v + g, G, yt, acc, pf);
         yt += out[g];
     }
 }

@@ -9,7 +9,9 @@
 
 /* Spreads software prefetches of a list of byte ranges over a tile's k steps (into L2), so that data a
  * memory-bound step needs next arrives while the tile computes. */
-#define WALK_MAX 1024
+#ifndef WALK_MAX
+#define WALK_MAX 1024   /* ranges a walker holds (a file may define more before including this) */
+#endif
 typedef struct {
     const char *ptr[WALK_MAX];
     int64_t len[WALK_MAX];

@@ -1,4 +1,5 @@
-"""The base GEMM that computes its decode rows' multi-LoRA itself (kernels/cpu/csrc/gemm_lora_avx512bf16.c)."""
+"""The base GEMM that computes its decode rows' multi-LoRA itself (kernels/cpu/csrc/gemm_lora_avx512bf16.c, and
+gemm_lora_avx2.c, which an AVX512-BF16 CPU runs too)."""
 from __future__ import annotations
 
 import pytest
@@ -7,8 +8,15 @@ import torch
 from kernels.cpu import gemm
 from kernels.cpu import lora as c_lora
 
-pytestmark = [pytest.mark.skipif(not c_lora.supports_fused(torch.bfloat16), reason="no AVX512-BF16 C GEMM here"),
+pytestmark = [pytest.mark.skipif(not c_lora.supports_fused(torch.bfloat16), reason="no C GEMM with LoRA here"),
               pytest.mark.usefixtures("amx_tiles")]
+
+KINDS = [k for k in gemm.variants() if "lora" in gemm.variant(k)]   # the engine's (fastest) first
+
+
+def lora_gemm(w, a, bs, kind):
+    """(the GEMM of variant `kind`, the adapters in the layout it reads)"""
+    return gemm.Gemm(w, kind), c_lora.Weights.of(a, bs, paired=gemm.variant(kind)["paired"])
 
 
 def case(slots, rank, n_in, outs, m, seed=0):
@@ -23,11 +31,13 @@ def case(slots, rank, n_in, outs, m, seed=0):
     return a, bs, w, x, tokens, row_slots, ranks
 
 
-def reference(a, bs, w, x, tokens, row_slots, ranks):
-    """fp32 sums; the intermediate A x rounded to bf16, as a bf16 LoRA (PEFT's too) keeps it"""
+def reference(a, bs, w, x, tokens, row_slots, ranks, rounded=True):
+    """fp32 sums; the intermediate A x rounded to bf16 (`rounded`: as a bf16 LoRA, PEFT's too, keeps it) or
+    kept in fp32 (the AVX2 kernels)"""
     ref = x.float() @ w.float().T
     for t, s, r in zip(tokens.tolist(), row_slots.tolist(), ranks.tolist()):
-        v = (a[s, :r].float() @ x[t].float()).to(torch.bfloat16).float()   # [r, G]
+        v = a[s, :r].float() @ x[t].float()   # [r, G]
+        v = v.to(torch.bfloat16).float() if rounded else v
         col = 0
         for g, b in enumerate(bs):
             ref[t, col:col + b.shape[2]] += v[:, g] @ b[s, :r].float()
@@ -39,24 +49,26 @@ def reference(a, bs, w, x, tokens, row_slots, ranks):
 @pytest.mark.parametrize("slots,rank,n_in,outs,m", [(6, 16, 576, [576, 192, 192], 20), (5, 16, 1536, [576], 64),
                                                     (8, 16, 576, [1536, 1536], 70), (8, 8, 576, [576, 192, 192], 200),
                                                     (3, 4, 96, [32, 16, 16], 1), (4, 64, 64, [48], 9)])
-def test_matches_fp32_reference(slots, rank, n_in, outs, m):
+@pytest.mark.parametrize("kind", KINDS)
+def test_matches_fp32_reference(slots, rank, n_in, outs, m, kind):
     a, bs, w, x, tokens, row_slots, ranks = case(slots, rank, n_in, outs, m)
-    weights = c_lora.Weights.of(a, bs)
-    y = gemm.Gemm(w)(x, c_lora.LoraRows(tokens, row_slots, ranks, m)(weights))
-    ref = reference(a, bs, w, x, tokens, row_slots, ranks)
+    lin, weights = lora_gemm(w, a, bs, kind)
+    y = lin(x, c_lora.LoraRows(tokens, row_slots, ranks, m)(weights))
+    ref = reference(a, bs, w, x, tokens, row_slots, ranks, rounded=gemm.variant(kind)["paired"])
     # bf16 output: one rounding, or two (of the base, then of the sum) in the columns whose expand runs
     # after their tiles
     base = (x.float() @ w.float().T).abs()
     assert ((y.float() - ref).abs() <= (ref.abs() + base) * 2 ** -8 + 1e-3).all()
-    plain = gemm.Gemm(w)(x)
+    plain = lin(x)
     others = sorted(set(range(m)) - set(tokens.tolist()))
     assert torch.equal(y[others], plain[others])              # rows without an adapter: the plain GEMM
     assert not torch.equal(y[tokens], plain[tokens])
 
 
-def test_a_row_does_not_depend_on_its_batch():
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_row_does_not_depend_on_its_batch(kind):
     a, bs, w, x, tokens, row_slots, ranks = case(6, 16, 576, [576, 192, 192], 40, seed=3)
-    weights, lin = c_lora.Weights.of(a, bs), gemm.Gemm(w)
+    lin, weights = lora_gemm(w, a, bs, kind)
     y = lin(x, c_lora.LoraRows(tokens, row_slots, ranks, 40)(weights))
     for i in (0, 7):
         t = int(tokens[i])
@@ -77,7 +89,8 @@ def test_outputs_must_be_whole_vectors():
 def test_a_token_gets_the_same_bits_on_every_lora_path(slots, rank, n_in, outs, m):
     """Inside the GEMM (decode tokens), after it per token (the decode kernel), or in a prefill segment:
     the same bits, so a token's output does not depend on how the scheduler chunked its prompt (a
-    one-token chunk runs as a decode token). Ranks not multiples of 16 or of 2 included."""
+    one-token chunk runs as a decode token). Ranks not multiples of 16 or of 2 included. (The engine's
+    variant: the per-token kernels read B in its layout.)"""
     a, bs, w, x, tokens, row_slots, ranks = case(slots, rank, n_in, outs, m, seed=5)
     weights, lin = c_lora.Weights.of(a, bs), gemm.Gemm(w)
     fused = lin(x, c_lora.LoraRows(tokens, row_slots, ranks, m)(weights))
