@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -36,7 +37,8 @@ def what_it_gives(path: str) -> dict:
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_a_frontends_tokenizer_is_the_engines(family, model_dir, tmp_path):
     path = model_dir if family == "llama" else make_tiny(tmp_path / family, model_dir, family)
-    r = subprocess.run([sys.executable, "-c", PROBE, str(path)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", PROBE, str(path)], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).parents[2])     # the probe imports this module
     assert r.returncode == 0, r.stderr
     assert "PyTorch was not found" not in r.stderr
     theirs = json.loads(r.stdout)

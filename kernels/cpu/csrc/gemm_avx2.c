@@ -52,23 +52,26 @@ static inline __attribute__((always_inline)) void tile(const float *x, const uin
     const float *xr[MR];
     for (int r = 0; r < MR; r++) xr[r] = x + (int64_t)(r < mr ? r : 0) * K;
     const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
-    for (int k = 0; k < K; k += 2, p += 2 * NC) {
-        if (pf && k % PF_EVERY == 0) walker_step(pf);
-        const __m256i w0 = _mm256_loadu_si256((const __m256i *)p), w1 = _mm256_loadu_si256((const __m256i *)(p + 16));
-        __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), b = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+    for (int k0 = 0; k0 < K; k0 += PF_EVERY) {   /* a walker step between runs of PF_EVERY k, as tile_f32 */
+        if (pf) walker_step(pf);
+        const int k1 = k0 + PF_EVERY < K ? k0 + PF_EVERY : K;
+        for (int k = k0; k < k1; k += 2, p += 2 * NC) {
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)p), w1 = _mm256_loadu_si256((const __m256i *)(p + 16));
+            __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), b = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
 #pragma GCC unroll 8
-        for (int r = 0; r < MR; r++) {
-            const __m256 xv = _mm256_broadcast_ss(xr[r] + k);
-            acc[r][0] = _mm256_fmadd_ps(a, xv, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(b, xv, acc[r][1]);
-        }
-        a = _mm256_castsi256_ps(_mm256_and_si256(w0, hi));
-        b = _mm256_castsi256_ps(_mm256_and_si256(w1, hi));
+            for (int r = 0; r < MR; r++) {
+                const __m256 xv = _mm256_broadcast_ss(xr[r] + k);
+                acc[r][0] = _mm256_fmadd_ps(a, xv, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(b, xv, acc[r][1]);
+            }
+            a = _mm256_castsi256_ps(_mm256_and_si256(w0, hi));
+            b = _mm256_castsi256_ps(_mm256_and_si256(w1, hi));
 #pragma GCC unroll 8
-        for (int r = 0; r < MR; r++) {
-            const __m256 xv = _mm256_broadcast_ss(xr[r] + k + 1);
-            acc[r][0] = _mm256_fmadd_ps(a, xv, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(b, xv, acc[r][1]);
+            for (int r = 0; r < MR; r++) {
+                const __m256 xv = _mm256_broadcast_ss(xr[r] + k + 1);
+                acc[r][0] = _mm256_fmadd_ps(a, xv, acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(b, xv, acc[r][1]);
+            }
         }
     }
     STORE_TILE(acc, MR, y, ys, mr, ncols);   /* lane j of w0 is column j, of w1 column 8 + j */
