@@ -30,7 +30,7 @@ def zipf_picks(n: int, k: int, s: float, rng: random.Random) -> list[int]:
 
 async def one(session, url, model, prompt, max_tokens, stats, first: bool = False) -> None:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     last, ttft, itl, tokens = None, None, [], 0
     async with session.post(url + "/v1/completions", json=body) as r:
@@ -40,8 +40,13 @@ async def one(session, url, model, prompt, max_tokens, stats, first: bool = Fals
         async for line in r.content:
             if not line.startswith(b"data: {"):
                 continue
+            chunk = json.loads(line[6:])
+            if not chunk["choices"]:            # the usage chunk, last
+                stats["prompt_tokens"] += chunk["usage"]["prompt_tokens"]
+                stats["cached_tokens"] += (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                continue
             now = time.perf_counter()
-            if json.loads(line[6:])["choices"][0]["text"]:
+            if chunk["choices"][0]["text"]:
                 tokens += 1
             if last is None:
                 ttft = now - t0
@@ -55,10 +60,14 @@ async def one(session, url, model, prompt, max_tokens, stats, first: bool = Fals
     stats["e2e"].append(time.perf_counter() - t0)
 
 
-async def run_load(url: str, models: list[str], args) -> dict:
-    rng = random.Random(args.seed)
+async def run_load(url: str, models: list[str], args, prompts: str) -> dict:
+    """args.requests requests: the arrival times and Zipf picks of args.seed (the same for every call), the
+    prompts of `prompts` (a seed of their own: a run's second side must not find the first side's prompts
+    in the prefix cache, which a same-seeded run did for the adapter both sides name)."""
+    rng, words_rng = random.Random(args.seed), random.Random(f"{args.seed}-{prompts}")
     picks = zipf_picks(args.requests, len(models), args.zipf, rng)
-    stats = {"ttft": [], "ttft_first": [], "ttft_rest": [], "itl": [], "e2e": [], "chunks": 0, "errors": 0}
+    stats = {"ttft": [], "ttft_first": [], "ttft_rest": [], "itl": [], "e2e": [], "chunks": 0, "errors": 0,
+             "prompt_tokens": 0, "cached_tokens": 0}
     seen: set[int] = set()
     words = "the river city market story light garden music winter morning".split()
     conn = aiohttp.TCPConnector(limit=0)
@@ -66,7 +75,7 @@ async def run_load(url: str, models: list[str], args) -> dict:
         tasks = []
         t0 = time.perf_counter()
         for i in range(args.requests):
-            prompt = " ".join(rng.choice(words) for _ in range(args.prompt_words))
+            prompt = " ".join(words_rng.choice(words) for _ in range(args.prompt_words))
             tasks.append(asyncio.create_task(one(session, url, models[picks[i]], prompt, args.max_tokens, stats,
                                                  picks[i] not in seen)))
             seen.add(picks[i])
@@ -89,6 +98,7 @@ def report(stats: dict, args) -> None:
           f"{pct(stats['ttft_rest'], 50):.1f} ms, p90 {pct(stats['ttft_rest'], 90):.1f} ms")
     print(f"ITL    p50 {pct(stats['itl'], 50):8.1f} ms   p99 {pct(stats['itl'], 99):8.1f} ms")
     print(f"E2E    p50 {pct(stats['e2e'], 50):8.1f} ms   p99 {pct(stats['e2e'], 99):8.1f} ms")
+    print(f"prompt tokens {stats['prompt_tokens']}, {stats['cached_tokens']} of them from the prefix cache")
 
 
 def summary(stats: dict, args) -> dict:
@@ -98,7 +108,8 @@ def summary(stats: dict, args) -> dict:
             "ttft_p50_ms": pct(stats["ttft"], 50), "ttft_p99_ms": pct(stats["ttft"], 99),
             "itl_p50_ms": pct(stats["itl"], 50), "itl_p99_ms": pct(stats["itl"], 99),
             "ttft_first_p50_ms": pct(stats["ttft_first"], 50), "ttft_first_p90_ms": pct(stats["ttft_first"], 90),
-            "ttft_rest_p50_ms": pct(stats["ttft_rest"], 50), "ttft_rest_p90_ms": pct(stats["ttft_rest"], 90)}
+            "ttft_rest_p50_ms": pct(stats["ttft_rest"], 50), "ttft_rest_p90_ms": pct(stats["ttft_rest"], 90),
+            "prompt_tokens": stats["prompt_tokens"], "cached_tokens": stats["cached_tokens"]}
 
 
 def sweep_plot(ax, sweep: list[dict], args) -> None:
@@ -148,12 +159,12 @@ def main() -> None:
     proc, url = (None, args.url) if args.url else start_server(["--adapter-dir", str(work), *args.server_args])
     sweep = []
     try:
-        asyncio.run(run_load(url, sets[0][:1], argparse.Namespace(**{**vars(args), 'requests': 8})))   # warm-up
+        asyncio.run(run_load(url, sets[0][:1], argparse.Namespace(**{**vars(args), 'requests': 8}), "warm-up"))
         for rate, models in zip(rates, sets):
             at = argparse.Namespace(**{**vars(args), "rate": rate})
             results = {}
             for label, names in ((f"{args.adapters} adapters", models), ("1 adapter", sets[0][:1])):
-                stats = asyncio.run(run_load(url, names, at))
+                stats = asyncio.run(run_load(url, names, at, f"{rate}-{label}"))
                 print(f"--- {label}, {rate}/s")
                 report(stats, at)
                 results[label] = summary(stats, at)

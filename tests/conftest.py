@@ -81,3 +81,14 @@ def _pool_back_to_idle(request):
             assert usage["kv"] == 0, f"KV blocks leaked: {usage}"
             assert not value.engine.has_unfinished()
             assert sum(value.engine.pool.ref_count) == usage["adapter"]
+
+
+def cli_in_process(capsys, *args) -> tuple[int, str, str]:
+    """`loraplex ARGS` run by this process (frontends.cli.main, as the entry point calls it) -> (rc, stdout,
+    stderr): the same code without a new interpreter's ~6 s of imports (tests/frontends/test_cli.py also runs
+    the real process)."""
+    from frontends.cli import main
+    capsys.readouterr()
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err

@@ -5,6 +5,7 @@ import sys
 import pytest
 
 from bench.tiny_model import make_tiny
+from tests.conftest import cli_in_process
 
 
 def run_cli(*args):
@@ -25,17 +26,17 @@ def test_bad_argument_is_a_clear_error():
 
 @pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral",
                                     "qwen3_moe"])
-def test_generate_serves_each_family_as_transformers_does(family, tmp_path, model_dir):
+def test_generate_serves_each_family_as_transformers_does(family, tmp_path, model_dir, capsys):
     """`loraplex generate --model DIR` on a tiny model of each family: transformers' greedy tokens."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     d = make_tiny(tmp_path / family, model_dir, family)
     prompt = "The quick brown fox jumps over the lazy dog while the cat"
-    r = run_cli("generate", "--model", str(d), "--dtype", "float32", "--prompt", prompt, "--max-tokens", "6",
-                "--ignore-eos", "--json")
-    assert r.returncode == 0, r.stderr
+    rc, out, err = cli_in_process(capsys, "generate", "--model", str(d), "--dtype", "float32", "--prompt", prompt,
+                                  "--max-tokens", "6", "--ignore-eos", "--json")
+    assert rc == 0, err
     ids = AutoTokenizer.from_pretrained(d)(prompt, return_tensors="pt")["input_ids"]
     model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     with torch.no_grad():
         want = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1]:].tolist()
-    assert json.loads(r.stdout)["token_ids"] == want
+    assert json.loads(out)["token_ids"] == want

@@ -1,13 +1,12 @@
 """The LoRA API of the offline engine: registry at run time, cap, prefix cache, CLI."""
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from engine.llm import LLM
 from ipc.sampling_params import SamplingParams
+from tests.conftest import cli_in_process
 from tests.engine.lora.test_fidelity import peft_greedy
 from tests.peft_adapters import FIDELITY_ADAPTERS
 
@@ -80,14 +79,14 @@ def test_unregister_frees_pages_and_refuses_new_requests(llm, adapter_dir, tmp_p
         llm.generate("Hi", GREEDY, adapter="temp")
 
 
-def test_cli_generate_with_adapter_dir(adapter_dir, tokenizer):
+def test_cli_generate_with_adapter_dir(adapter_dir, tokenizer, capsys):
     d, oracle = adapter_dir
-    r = subprocess.run([sys.executable, "-m", "frontends.cli", "generate", "--dtype", "float32", "--prompt",
-                        "The weather today is", "--max-tokens", "6", "--ignore-eos", "--adapter-dir", str(d),
-                        "--adapter", "r8-all", "--json"], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    rc, out, err = cli_in_process(capsys, "generate", "--dtype", "float32", "--prompt", "The weather today is",
+                                  "--max-tokens", "6", "--ignore-eos", "--adapter-dir", str(d), "--adapter", "r8-all",
+                                  "--json")
+    assert rc == 0, err
     ids = tokenizer("The weather today is")["input_ids"]
-    assert json.loads(r.stdout)["token_ids"] == peft_greedy(oracle, "r8-all", ids, 6)
+    assert json.loads(out)["token_ids"] == peft_greedy(oracle, "r8-all", ids, 6)
 
 
 def test_a_loading_adapter_holds_up_nobody(llm, adapter_dir, monkeypatch, tmp_path):
@@ -108,16 +107,22 @@ def test_a_loading_adapter_holds_up_nobody(llm, adapter_dir, monkeypatch, tmp_pa
     llm.register_adapter("slow", own_content(d / "r32-mlp", tmp_path / "slow"))
     core = llm.engine
     core.adapters.host.clear()         # not in the host tier: the load must read the (slow) disk
-    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    core.add_request(GenerateRequest("slow-req", [1, 2, 3, 4], params, adapter="slow"))
-    core.add_request(GenerateRequest("base-req", [1, 2, 3, 4], params))
-    tokens_while_loading = 0
+    core.add_request(GenerateRequest("slow-req", [1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=4,
+                                                                               ignore_eos=True), adapter="slow"))
+    core.add_request(GenerateRequest("base-req", [1, 2, 3, 4], SamplingParams(temperature=0, max_tokens=2000,
+                                                                               ignore_eos=True)))
+    tokens_while_loading, slow_done, base_done = 0, False, False
     deadline = _time.monotonic() + 300   # a hang guard, not a timing bound
-    while core.has_unfinished() and _time.monotonic() < deadline:
+    while not slow_done and _time.monotonic() < deadline:
         loading = core.adapters.lookup("slow").state == AdapterState.LOADING
         outs = core.step()
         if loading:
             tokens_while_loading += sum(len(o.new_token_ids) for o in outs if o.request_id == "base-req")
+        slow_done |= any(o.request_id == "slow-req" and o.finish_reason for o in outs)
+        base_done |= any(o.request_id == "base-req" and o.finish_reason for o in outs)
+    assert slow_done and not base_done, "the adapter's request finished, the base one was still decoding"
+    assert core.abort("base-req")
+    core.settle()
     assert not core.has_unfinished()
     assert tokens_while_loading >= 5, "the base request must decode while the adapter loads"
     assert core.adapters.stats.cold_starts >= 1
