@@ -18,7 +18,7 @@ def small_llm():
 
 def test_greedy_matches_transformers_with_chunks_and_preemption(small_llm, hf_model, tokenizer):
     llm = small_llm
-    prompts = [("word " * (i * 7)) + f"Tell me a story about the number {i}." for i in range(15)]
+    prompts = [("word " * (i * 7)) + f"Tell me a story about the number {i}." for i in range(9)]
     prompts.append("The history of the city is long and interesting. " * 25)
     ids = [tokenizer(p)["input_ids"] for p in prompts]
     assert max(len(i) for i in ids) > 64

@@ -166,7 +166,7 @@ def test_a_full_waiting_queue_answers_429_at_once(served_adapters, tmp_path):
             """One long request, once it runs, then n more at once. NOTE: all at once, none would be running
             yet and only the waiting bound would count (the step loop applies its whole inbox first)."""
             with concurrent.futures.ThreadPoolExecutor(n + 1) as pool:
-                first = pool.submit(call, key, model, 120)     # still running when the rest arrive
+                first = pool.submit(call, key, model, 64)      # still running when the rest arrive
                 assert wait_until(lambda: metric(requests.get(s.url + "/metrics", timeout=10,
                                                               headers={"Authorization": "Bearer sk-a"}).text,
                                                  "loraplex_requests_running") == 1, timeout=60, every=0.05)
