@@ -1,8 +1,10 @@
 """Online load against the real server at its defaults: Poisson arrivals, Zipf adapter popularity, streaming.
 
-Starts `loraplex serve` itself (no flags but --adapter-dir), and in one run sends the same --requests
-requests at --rate per second twice: each naming an adapter drawn from Zipf(--zipf) over --adapters
-adapters (rank 8 / 16 on q and v), then each naming one single adapter. Prints throughput and
+Starts `loraplex serve` itself (no flags but --adapter-dir), and in one run sends --requests requests at
+--rate per second twice, with the same arrival times: each naming an adapter drawn from Zipf(--zipf) over
+--adapters adapters (rank 8 / 16 on q and v), then each naming one single adapter. Each side has prompts of
+its own (random words of their own seed), so neither finds the other's in the prefix cache; both print how
+many prompt tokens were served from it. Prints throughput and
 time-to-first-token / inter-token latency p50 and p99 of both, and the ratios (goals: throughput >= 0.95x,
 TTFT p99 within 1.5x of one adapter's); writes bench/results/serving.json and .png.
 `--rates 10,13,16`: a sweep, each rate with 100 adapters of its own (loaded cold), both ratios against the rate

@@ -23,12 +23,6 @@ def tokenizer_only() -> None:
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")   # its "PyTorch was not found" line
 
 
-def import_tokenizer_code() -> None:
-    """Import what `load_tokenizer` runs (transformers and its auto classes: ~2 s of a frontend's start) before
-    the model is known: a frontend does it while the engine it waits for starts."""
-    from transformers import AutoTokenizer  # noqa: F401
-
-
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)

@@ -16,7 +16,7 @@ from pathlib import Path
 from aiohttp import web
 
 from engine import envs, metrics
-from engine.tokenizer import import_tokenizer_code, load_tokenizer, tokenizer_only
+from engine.tokenizer import load_tokenizer, tokenizer_only
 from frontends import api_requests, ready
 from frontends import api_responses as r
 from frontends.api_error import ApiError
@@ -26,7 +26,6 @@ from frontends.chat_endpoint import ChatEndpoint
 from frontends.completions_endpoint import CompletionsEndpoint
 from frontends.engine_client import MAX_BUFFERED, AsyncEngineClient
 from frontends.error_middleware import error_middleware
-from frontends.launcher import ENGINE_START_S
 from frontends.openapi import openapi_document
 from frontends.reply import reply
 
@@ -142,7 +141,7 @@ async def serve(engine_address: str, host: str, port: int, auth: Auth, frontend_
                 shutdown_timeout: float = 30.0) -> None:
     """Serve until SIGTERM / SIGINT; then stop listening and give running requests `shutdown_timeout`
     seconds to finish (aiohttp's graceful shutdown) before closing."""
-    client = await AsyncEngineClient(engine_address, frontend_id, stream_buffer).connect(timeout=ENGINE_START_S)
+    client = await AsyncEngineClient(engine_address, frontend_id, stream_buffer).connect(timeout=600)
     server = OpenAIServer(client, auth, stream_timeout)
     # handler_cancellation: a client that goes away cancels its handler, which aborts its engine requests
     # (also for non-streamed requests, which write nothing until they finish)
@@ -173,7 +172,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
     args = p.parse_args(argv)
     tokenizer_only()      # this process never computes: its tokenizer loads without torch
-    import_tokenizer_code()     # now, while the engine starts (the launcher starts both at once)
     auth = parse_auth(envs.auth_config(), envs.api_key(), envs.ingress_metrics_key())
     logging.basicConfig(level=envs.log_level(),
                         format=f"%(asctime)s {args.frontend_id} %(levelname)s %(message)s")

@@ -1,8 +1,7 @@
 """`loraplex serve`: start one engine process and N HTTP frontend processes on one port.
 
-Processes are started with subprocess (never multiprocessing's pickling), the engine and the frontends at once
-(a frontend imports its code, then waits for the engine); each child prints one JSON line on stdout when
-ready, and so does the launcher once all are (frontends/ready.py). Every child dies with
+Processes are started with subprocess (never multiprocessing's pickling); each child prints one JSON
+line on stdout when ready, and so does the launcher once all are (frontends/ready.py). Every child dies with
 the launcher, however it dies (frontends/lifetime.py), and a port another server holds is refused. A
 frontend that dies is restarted. A dead engine is restarted too; the
 frontends reconnect by themselves and resend its in-flight requests (see frontends/engine_client.py).
@@ -27,7 +26,6 @@ from frontends import ready
 from frontends.lifetime import die_with_parent, port_holder
 
 log = logging.getLogger("loraplex.serve")
-ENGINE_START_S = 900        # the longest an engine may take to say it is ready (a frontend waits as long)
 
 
 def free_port(host: str) -> int:
@@ -123,9 +121,9 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
         signal.signal(sig, lambda *_: stopping.set())
     try:
         engine.start()
-        for f in fronts:        # they import and load their tokenizer's code while the engine builds
+        engine.wait_ready(900)
+        for f in fronts:
             f.start()
-        engine.wait_ready(ENGINE_START_S)
         for f in fronts:
             f.wait_ready(300)
         url = f"http://{host}:{port}"
@@ -138,7 +136,7 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
             if engine.proc.poll() is not None:
                 print(f"loraplex: the engine exited with code {engine.proc.returncode}; restarting it", flush=True)
                 engine.start()
-                engine.wait_ready(ENGINE_START_S)
+                engine.wait_ready(900)
                 print("loraplex: engine restarted", flush=True)
             for f in fronts:
                 if f.proc.poll() is not None:
