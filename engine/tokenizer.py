@@ -4,8 +4,10 @@ transformers is imported when a tokenizer is loaded, not with this module: a fro
 without torch (`tokenizer_only`), the engine with it."""
 from __future__ import annotations
 
+import json
 import os
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -24,8 +26,37 @@ def tokenizer_only() -> None:
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer `AutoTokenizer.from_pretrained(path)` gives. AutoTokenizer builds the model's config to
+    choose the class, and importing a config class costs ~2 s (Llama's pulls in `torch.distributed.tensor`),
+    on the path of every engine's and frontend's start. A folder whose tokenizer_config.json names
+    transformers' generic class (what `save_pretrained` writes for a tokenizer.json), for a model type that
+    AutoTokenizer does not override, gets that class directly; every other folder goes through AutoTokenizer
+    (tests/engine/test_tokenizer.py checks the two agree for every served family)."""
+    if generic_tokenizer_folder(path):
+        from transformers import TokenizersBackend
+        return TokenizersBackend.from_pretrained(path)
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(path)
+
+
+def generic_tokenizer_folder(path: str) -> bool:
+    """Whether AutoTokenizer would load `path` as `TokenizersBackend` whatever the model's config class:
+    tokenizer_config.json names it, with no code of its own (auto_map), and config.json's model type is not
+    one AutoTokenizer maps elsewhere (its list of hub folders with a wrong class; Mistral's own backend)."""
+    folder = Path(path)
+    try:
+        tok_cfg = json.loads((folder / "tokenizer_config.json").read_text())
+        model_cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not (folder / "tokenizer.json").is_file() or tok_cfg.get("tokenizer_class") != "TokenizersBackend":
+        return False
+    if "auto_map" in tok_cfg or "model_name" in model_cfg or not isinstance(model_cfg.get("model_type"), str):
+        return False
+    from transformers.models.auto import tokenization_auto as auto
+    kind = model_cfg["model_type"]
+    registered = (auto.TOKENIZER_MAPPING_NAMES.get(kind) or "").removesuffix("Fast")
+    return kind not in auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS and registered != "MistralCommonBackend"
 
 
 def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:

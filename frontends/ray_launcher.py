@@ -51,6 +51,7 @@ def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, p
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
+    gcs = None if ray_address else local_gcs(os.getpid())
     pids: dict[int, str] = {}      # every replica server's process seen, with its start time (pids are reused)
     try:
         app = build_app(replica_argv(argv), replicas, max_adapters, routing=routing, load_bound=load_bound)
@@ -63,9 +64,12 @@ def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, p
         directory = serve.get_deployment_handle("Directory", app_name="loraplex")
         while not stopping.wait(1.0):       # the replicas' processes, replacements and replaced ones included
             _note_pids(directory, pids)
-        _note_pids(directory, pids)         # a replica registered since the last look (a replacement, say)
+        if gcs is None:
+            _note_pids(directory, pids)     # a replica registered since the last look (a replacement, say)
     finally:
-        for stop in (serve.shutdown, ray.shutdown):    # Ray's own processes may have had the signal too
+        if gcs is not None and stopping.is_set():
+            _stop_local(pids)
+        for stop in (serve.shutdown, ray.shutdown):
             pids.update(descendants(os.getpid()))      # a local Ray's processes (workers, agents) are ours
             with contextlib.suppress(Exception):
                 stop()
@@ -77,6 +81,44 @@ def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, p
 
 
 STOP_WAIT_S = 90.0      # a replica's server drains up to --shutdown-timeout (30 s) before it exits
+RAY_STOP_S = 1.0        # then a local Ray's own processes, SIGKILLed after it (as ray.shutdown does)
+
+
+def local_gcs(root: int) -> int | None:
+    """The pid of the GCS server of the Ray instance `root` started (ray.init without an address), if any."""
+    for pid in descendants(root):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(b"gcs_server"):
+                return pid
+    return None
+
+
+def _stop_local(pids: dict[int, str]) -> None:
+    """The stop of a local Ray instance (ours: every process of it is below this one): each replica's server
+    gets SIGTERM and drains its streams, then Ray's processes get theirs. Not through `serve.shutdown()`:
+    a SIGTERM to the whole process group (systemd, `kill -- -PGID`, the tests) also reaches Ray's GCS and
+    raylet (its workers have process groups of their own), and Serve's controller then cannot stop the
+    replicas: `serve.shutdown()` waited out its 30 s timeout, and `ray.shutdown()` or Ray's exit hook up
+    to 60 s for the dead GCS before Ray's client killed the process (exit 1). So this leaves without
+    Ray's exit hooks. A replica started in the last second, not yet noted, gets SIGTERM from its dying
+    Ray worker instead (frontends/lifetime.py)."""
+    import sys
+    servers = [p for p, started in pids.items() if _start_time(p) == started]
+    for p in servers:
+        with contextlib.suppress(OSError):
+            os.kill(p, signal.SIGTERM)
+    left = wait_gone(servers, STOP_WAIT_S)
+    ray_own = descendants(os.getpid())
+    for p in ray_own:
+        with contextlib.suppress(OSError):
+            os.kill(p, signal.SIGTERM)
+    killed = wait_gone([p for p, started in ray_own.items() if _start_time(p) == started], RAY_STOP_S)
+    wait_gone(killed + left, RAY_STOP_S)         # a SIGKILLed process takes a moment to be gone
+    if left:
+        print(f"loraplex: processes {left} still ran {STOP_WAIT_S:.0f} s after the stop; killed", flush=True)
+    print("loraplex: stopped", flush=True)
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _note_pids(directory, pids: dict[int, str]) -> None:
@@ -103,15 +145,16 @@ def descendants(root: int) -> dict[int, str]:
     return out
 
 
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    """Wait until none of `pids` runs (SIGKILL those left after `timeout` s) -> the pids that had to be killed."""
+def wait_gone(pids: list[int], timeout: float, kill: bool = True) -> list[int]:
+    """Wait until none of `pids` runs (SIGKILL those left after `timeout` s unless not `kill`) -> the pids
+    still running after `timeout` s."""
     import time
     deadline = time.monotonic() + timeout
     alive = [p for p in pids if _alive(p)]
     while alive and time.monotonic() < deadline:
         time.sleep(0.2)
         alive = [p for p in alive if _alive(p)]
-    for p in alive:
+    for p in alive if kill else []:
         with contextlib.suppress(OSError):
             os.kill(p, signal.SIGKILL)
     return alive

@@ -62,3 +62,18 @@ def wait_until(fn, timeout: float = 30, every: float = 0.2) -> bool:
             return True
         time.sleep(every)
     return False
+
+
+def stream_running(url: str, body: dict) -> tuple[threading.Thread, list[bytes]]:
+    """POST a streamed completion on a thread of its own; return once its first line has arrived, with the
+    thread and the list its non-empty lines are appended to as they come."""
+    import requests
+    got: list[bytes] = []
+
+    def read():
+        with requests.post(url + "/v1/completions", json=body, stream=True, timeout=120) as r:
+            got.extend(line for line in r.iter_lines() if line)
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert wait_until(lambda: len(got) > 0, timeout=30), "the stream did not begin"
+    return reader, got

@@ -9,7 +9,7 @@ import time
 
 import requests
 
-from tests.frontends.server_fixture import Server, wait_until
+from tests.frontends.server_fixture import Server, stream_running, wait_until
 
 
 def refused(url: str) -> bool:
@@ -66,14 +66,7 @@ def test_sigterm_to_every_process_at_once_still_finishes_running_streams(tiny_se
     body = {"model": requests.get(s.url + "/v1/models", timeout=10).json()["data"][0]["id"],
             "prompt": "Once upon a time", "max_tokens": n, "stream": True, "ignore_eos": True, "temperature": 0,
             "stream_options": {"include_usage": True}}
-    got: list[bytes] = []
-
-    def read():
-        with requests.post(s.url + "/v1/completions", json=body, stream=True, timeout=120) as r:
-            got.extend(line for line in r.iter_lines() if line)
-    reader = threading.Thread(target=read)
-    reader.start()
-    assert wait_until(lambda: len(got) > 0, timeout=30)
+    reader, got = stream_running(s.url, body)
     everyone = [s.proc.pid, *children(s.proc.pid)]
     assert engine in everyone and len(everyone) == 3
     for pid in everyone:
