@@ -1,5 +1,6 @@
 """Schemathesis against the real processes: cases generated from `/openapi.json` (valid and invalid
-bodies), at least 2,000 in all (LORAPLEX_FUZZ_SCALE=N: N times as many, for a longer hunt). No answer is
+bodies), at least 2,000 in all (LORAPLEX_FUZZ_SCALE=N: N times as many, for a longer hunt), sent by two
+processes at once. No answer is
 a 5xx, and the server logs no traceback (a bug after a stream began has no status code); every error is in
 OpenAI's error shape; every success, and every event of a stream, is exactly the response type the
 document declares (it decodes strictly into it, and encoding that gives back the same
@@ -9,6 +10,9 @@ from __future__ import annotations
 import collections
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -80,18 +84,29 @@ def assert_exactly(raw: bytes, type_: type, what: str) -> None:
     assert json.loads(msgspec.json.encode(decoded)) == json.loads(raw), what
 
 
-def test_fuzz_every_route_from_the_openapi_document(fuzz_server):
-    doc = requests.get(fuzz_server.url + "/openapi.json", timeout=10).json()
-    assert set(doc["paths"]) >= set(RESPONSE) | {"/metrics", "/openapi.json"}
+# the (operation, generation mode) pairs each of the two fuzzing processes takes, about half of the time each
+# (the chat route's cases take the longest to generate); None: every pair of no other share
+SHARES = [{"POST /v1/chat/completions positive", "POST /v1/completions positive", "POST /v1/completions negative"},
+          None]
+
+
+def fuzz(url: str, share: set[str] | None, log: list[str]) -> dict:
+    """Generate and send the cases of the (operation, mode) pairs in `share` (None: those of no other
+    share); check each answer (AssertionError on the first that fails) -> {"cases", "seen", "reasons"}."""
+    doc = requests.get(url + "/openapi.json", timeout=10).json()
     schema = schemathesis.openapi.from_dict(doc)
     session = requests.Session()
     seen, cases = collections.Counter(), collections.Counter()
+    others = set().union(*(s for s in SHARES if s is not None))
     for result in schema.get_all_operations():
         op = result.ok()
         label = f"{op.method.upper()} {op.path}"
         for mode in GenerationMode:
             if mode is GenerationMode.NEGATIVE and label not in PER_OPERATION:
                 continue                    # a GET without parameters has no invalid form
+            pair = f"{label} {mode.value}"
+            if (pair not in share) if share is not None else (pair in others):
+                continue
             @given(case=op.as_strategy(generation_mode=mode), model=st.sampled_from(MODELS))
             @settings(max_examples=PER_OPERATION.get(label, 5), deadline=None, database=None,
                       phases=[Phase.generate], suppress_health_check=list(HealthCheck))
@@ -100,12 +115,43 @@ def test_fuzz_every_route_from_the_openapi_document(fuzz_server):
                 if model and isinstance(case.body, dict) and isinstance(case.body.get("model"), str):
                     case.body["model"] = model      # a served model, else nearly every valid body is a 404
                 case.headers = {**(case.headers or {}), "Authorization": f"Bearer {KEY}"}
-                resp = case.call(base_url=fuzz_server.url, session=session, timeout=60)
-                check_answer(case, resp, seen, fuzz_server.lines)
+                resp = case.call(base_url=url, session=session, timeout=60)
+                check_answer(case, resp, seen, log)
             run()
+    return {"cases": dict(cases), "seen": {str(k): v for k, v in seen.items()},
+            "reasons": [[list(k), v] for k, v in REASONS.most_common(12)]}
+
+
+WORKER = """
+import json, sys
+from tests.frontends.test_fuzz_openapi import SHARES, fuzz
+url, i = sys.argv[1], int(sys.argv[2])
+print(json.dumps(fuzz(url, SHARES[i], [])))
+"""
+
+
+def test_fuzz_every_route_from_the_openapi_document(fuzz_server):
+    """Two processes generate and send the cases (hypothesis's generation, not the server, is most of
+    the time: one core each), half of the operations each."""
+    doc = requests.get(fuzz_server.url + "/openapi.json", timeout=10).json()
+    assert set(doc["paths"]) >= set(RESPONSE) | {"/metrics", "/openapi.json"}
+    root = Path(__file__).parents[2]
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, fuzz_server.url, str(i)], cwd=root, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(len(SHARES))]
+    outs = [p.communicate(timeout=900) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-6000:] + "\nthe server's last lines:\n" + "".join(fuzz_server.lines[-30:])
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    cases = collections.Counter()
+    seen = collections.Counter()
+    for res in results:
+        cases.update(res["cases"])
+        seen.update({int(k): v for k, v in res["seen"].items()})
     print(f"fuzz: {sum(cases.values())} cases {dict(cases)}; answers by class {dict(seen)}")
+    every = {f"{m.upper()} {path}" for path, ops in doc["paths"].items() for m in ops if m in ("get", "post")}
+    assert set(cases) == every, cases          # each operation fuzzed, by one of the processes
     assert sum(cases.values()) >= 2000, cases
-    print("most common errors:", REASONS.most_common(12))
+    print("most common errors:", [res["reasons"][:6] for res in results])
     assert seen[2] > 100 and seen[4] > 500, seen     # both valid and invalid requests were exercised
     assert requests.get(fuzz_server.url + "/health", timeout=10).status_code == 200
     errors = [line for line in fuzz_server.lines if "Traceback" in line or "Error handling request" in line]
