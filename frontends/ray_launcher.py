@@ -145,16 +145,15 @@ def descendants(root: int) -> dict[int, str]:
     return out
 
 
-def wait_gone(pids: list[int], timeout: float, kill: bool = True) -> list[int]:
-    """Wait until none of `pids` runs (SIGKILL those left after `timeout` s unless not `kill`) -> the pids
-    still running after `timeout` s."""
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Wait until none of `pids` runs (SIGKILL those left after `timeout` s) -> the pids that had to be killed."""
     import time
     deadline = time.monotonic() + timeout
     alive = [p for p in pids if _alive(p)]
     while alive and time.monotonic() < deadline:
         time.sleep(0.2)
         alive = [p for p in alive if _alive(p)]
-    for p in alive if kill else []:
+    for p in alive:
         with contextlib.suppress(OSError):
             os.kill(p, signal.SIGKILL)
     return alive

@@ -79,8 +79,9 @@ def ray_server(tiny_served, tmp_path_factory):
     n = 400
     reader, got = stream_running(s.url, {"model": "tiny-r2", "prompt": "Once upon a time", "max_tokens": n,
                                          "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}})
-    stopped_at = time.monotonic()
+    stopped_at, before = time.monotonic(), len(got)
     assert s.stop(signal.SIGINT) == 0
+    assert before < n / 2, f"{before} of {n} tokens came before the stop: nothing was left to drain"
     reader.join(60)
     events = [json.loads(line[len(b"data: "):]) for line in got if line.startswith(b"data: {")]
     assert events[-1]["usage"]["completion_tokens"] == n and got[-1] == b"data: [DONE]", got[-3:]
