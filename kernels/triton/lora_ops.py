@@ -19,6 +19,8 @@ TF32 for bf16 / fp16 weights (which TF32 holds exactly).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -164,14 +166,35 @@ def _sgmv_expand_kernel(v_ptr, y_ptr, pool_ptr, table_ptr, table_stride, b_off_p
 # SGMV expand a spill; `python -m bench.triton.compile_check` prints these figures for every launch.
 SHRINK_ROWS = 16       # rows of A one BGMV shrink program reduces (the rank is split over programs)
 TILE = 1024            # weight elements an expand program holds at once: BLOCK_N = TILE // BLOCK_R, 16..64
+BLOCK_K = 64           # columns of x a BGMV shrink program reduces a loop step
+SEG_ROWS = 16          # tokens of a segment one SGMV program takes
+# WIDE tiles, where Triton's interpreter runs the kernels (TRITON_INTERPRET=1): there a program is one Python
+# call per tile operation (numpy inside), whatever the tile's size, so each program takes a whole reduction
+# (BLOCK_K: all of `in`), all of the rank's rows, a module's whole width and up to 64 tokens of a segment:
+# the same kernels and the same arithmetic per element, in ~10x fewer operations. The GPU's tiles above run
+# on a GPU and in the compile check; tests/kernels/triton runs both sets under the interpreter.
+WIDE = os.environ.get("TRITON_INTERPRET") == "1"
+WIDE_SEG_ROWS = 64
 
 
 def _block_r(max_rank: int) -> int:
     return max(16, triton.next_power_of_2(max_rank))
 
 
-def _block_n(block_r: int) -> int:
+def _block_n(block_r: int, widest: int) -> int:
+    if WIDE:
+        return max(16, triton.next_power_of_2(widest))
     return min(64, max(16, TILE // block_r))
+
+
+def _block_k(n_in: int, block: int) -> int:
+    return max(16, triton.next_power_of_2(n_in)) if WIDE else block
+
+
+def _block_m(block_m: int | None, max_seg_len: int) -> int:
+    if block_m is not None:
+        return block_m
+    return min(WIDE_SEG_ROWS, max(16, triton.next_power_of_2(max_seg_len))) if WIDE else SEG_ROWS
 
 
 def _precision(weights: torch.Tensor) -> str:
@@ -207,10 +230,11 @@ def bgmv_shrink(x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor, a
     a_off, rank = _by_module(a_off, rank)
     G = a_off.shape[0]
     v = _v(T, G * max_rank, x.device, zero)
-    grid = (T, triton.cdiv(max_rank, SHRINK_ROWS), G)
+    rows = _block_r(max_rank) if WIDE else SHRINK_ROWS
+    grid = (T, triton.cdiv(max_rank, rows), G)
     _bgmv_shrink_kernel[grid](x, v, pool, page_table, page_table.stride(0), a_off, rank, indices, n_in,
                               x.stride(0), v.stride(0), a_off.stride(0), max_rank, PAGE=page_elems,
-                              BLOCK_R=SHRINK_ROWS, BLOCK_K=64)
+                              BLOCK_R=rows, BLOCK_K=_block_k(n_in, BLOCK_K))
     return v
 
 
@@ -224,39 +248,43 @@ def bgmv_expand(v: torch.Tensor, y: torch.Tensor, pool: torch.Tensor, page_table
     G = b_off.shape[0]
     (c0, c1, c2, c3), widest = _boundaries(cols)
     block_r = _block_r(v.shape[1] // G)
-    grid = (T, triton.cdiv(widest, _block_n(block_r)), G)
+    block_n = _block_n(block_r, widest)
+    grid = (T, triton.cdiv(widest, block_n), G)
     _bgmv_expand_kernel[grid](v, y, pool, page_table, page_table.stride(0), b_off, rank, scale, indices, c0, c1, c2,
                               c3, v.stride(0), y.stride(0), b_off.stride(0), v.shape[1] // G, PAGE=page_elems,
-                              BLOCK_R=block_r, BLOCK_N=_block_n(block_r))
+                              BLOCK_R=block_r, BLOCK_N=block_n)
 
 
 def sgmv_shrink(x: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor, a_off: torch.Tensor,
                 rank: torch.Tensor, seg_start: torch.Tensor, seg_adapter: torch.Tensor, max_rank: int,
-                max_seg_len: int, page_elems: int, block_m: int = 16, zero: bool = True) -> torch.Tensor:
+                max_seg_len: int, page_elems: int, block_m: int | None = None, zero: bool = True) -> torch.Tensor:
     """x: [T, in]; a_off, rank: [A] or [G, A]; seg_start: [S + 1]; seg_adapter: [S] -> v: [T, G * max_rank]
-    float32 (as bgmv_shrink's)."""
+    float32 (as bgmv_shrink's). block_m: tokens a program (None: SEG_ROWS, or WIDE's)."""
     T, n_in = x.shape
     a_off, rank = _by_module(a_off, rank)
     G = a_off.shape[0]
     v = _v(T, G * max_rank, x.device, zero)
+    block_m = _block_m(block_m, max_seg_len)
     grid = (seg_adapter.shape[0], triton.cdiv(max_seg_len, block_m), G)
     block_r = _block_r(max_rank)
+    block_k = _block_k(n_in, min(32, max(16, TILE // block_r)))
     _sgmv_shrink_kernel[grid](x, v, pool, page_table, page_table.stride(0), a_off, rank, seg_start, seg_adapter,
                               n_in, x.stride(0), v.stride(0), a_off.stride(0), max_rank, PAGE=page_elems,
-                              BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=min(32, _block_n(block_r)),
+                              BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=block_k,
                               PRECISION=_precision(pool))
     return v
 
 
 def sgmv_expand(v: torch.Tensor, y: torch.Tensor, pool: torch.Tensor, page_table: torch.Tensor,
                 b_off: torch.Tensor, rank: torch.Tensor, scale: torch.Tensor, seg_start: torch.Tensor,
-                seg_adapter: torch.Tensor, cols, max_seg_len: int, page_elems: int, block_m: int = 16) -> None:
+                seg_adapter: torch.Tensor, cols, max_seg_len: int, page_elems: int, block_m: int | None = None) -> None:
     """v: [T, G * max_rank]; b_off, rank, scale: [A] or [G, A]; cols as bgmv_expand's; y updated in place."""
     b_off, rank, scale = _by_module(b_off, rank, scale)
     G = b_off.shape[0]
     (c0, c1, c2, c3), widest = _boundaries(cols)
     block_r = _block_r(v.shape[1] // G)
-    block_n = 32 if block_r > 32 else 64
+    block_m = _block_m(block_m, max_seg_len)
+    block_n = _block_n(block_r, widest) if WIDE else 32 if block_r > 32 else 64
     num_nb = triton.cdiv(widest, block_n)
     grid = (seg_adapter.shape[0], triton.cdiv(max_seg_len, block_m), G * num_nb)
     _sgmv_expand_kernel[grid](v, y, pool, page_table, page_table.stride(0), b_off, rank, scale, seg_start,

@@ -11,6 +11,13 @@ PAGE = 256
 TOL = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (2e-2, 2e-2)}
 
 
+@pytest.fixture(autouse=True, params=["gpu-tiles", "wide-tiles"])
+def tiles(request, monkeypatch):
+    """Every case with the GPU's tiles (rank rows split over programs, k loops, several column blocks) and
+    with the WIDE ones the interpreter runs the engine's tests with (one program per token and module)."""
+    monkeypatch.setattr(lora_ops, "WIDE", request.param == "wide-tiles")
+
+
 def make_adapters(ranks, n_in, n_out, dtype, seed=0):
     """Pack A [r, in] then B [out, r] per adapter into randomly ordered pages of one pool."""
     g = torch.Generator().manual_seed(seed)
