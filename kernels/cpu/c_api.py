@@ -31,7 +31,6 @@ LIBRARIES: dict[str, dict[str, tuple]] = {
     "gemm_avx512bf16": {"gemm_bf16": (INT, _GEMM), "gemm_amx": (INT, [I])},
     "gemm_lora_avx512bf16": {"gemm_lora_bf16": (INT, [*_GEMM, P, P, P, I, I, P, P, P, I64]), "gemm_amx": (INT, [I])},
     "gemm_avx2": {"gemm_bf16_avx2": (INT, _GEMM)},
-    "gemm_lora_avx2": {"gemm_lora_bf16_avx2": (INT, [*_GEMM, P, P, P, I, I, P, P, P, I64])},
     "lora": {"lora_decode_bf16": (INT, _LORA), "lora_decode_f32": (INT, _LORA), "gemm_amx": (INT, [I]),
              "lora_segments_bf16": (INT, [P, I64, P, I64, P, P, P, P, I, P, I, I, I, P, P])},
     "lora_pack": {"pack_lora": (INT, [P, P, I, P, I])},

@@ -7,8 +7,9 @@ Two variants, picked once per process by what the CPU has:
   Where the CPU has AMX-BF16, the same packed weights run on AMX tiles instead (`amx`; on an AMX Xeon the
   whole engine ran 3.23x faster than on the vdpbf16ps tiles: `bench_engine --tiles`, docs/performance.md).
 - AVX2 + FMA (gemm_avx2.c; AMD Zen, older Intel): bf16 stored in 16-column blocks, fp32 computed. There,
-  torch's bf16 matmul has no native kernel and runs 6-9x slower than its fp32 one. With a GemmLora, the
-  adapters' bytes stream in while its tiles compute (gemm_lora_avx2.c).
+  torch's bf16 matmul has no native kernel and runs 6-9x slower than its fp32 one. It takes no GemmLora:
+  there the decode kernel (lora.c) adds the rows' LoRA after it, which measured faster than computing it
+  beside the tiles (docs/performance.md, 2026-11-28).
 Both compute each output as one fp32 sum (over k in order; AMX in its own order), rounded once, so a row
 never depends on the batch.
 """
@@ -47,8 +48,8 @@ def amx(on: bool | None = None) -> bool:
 @functools.cache
 def variant(name: str) -> dict | None:
     """{"plain": fn, "nb": block columns[, "lora": fn, "v_cols": fn, "paired": bool]} of GEMM variant `name`
-    ("avx512bf16" or "avx2"), or None where this CPU lacks it or it cannot be built. v_cols(R, G): the int32
-    columns of the LoRA call's scratch per row (bf16 pairs on AVX512-BF16, fp32 on AVX2); paired: whether
+    ("avx512bf16" or "avx2"; only the first takes a LoRA), or None where this CPU lacks it or it cannot be built.
+    v_cols(R, G): the int32 columns of the LoRA call's scratch per row (bf16 pairs); paired: whether
     its B is in the paired layout."""
     if name == "avx512bf16" and has_avx512_bf16():
         fns = load_functions("gemm_avx512bf16", {"plain": "gemm_bf16"})
@@ -57,9 +58,7 @@ def variant(name: str) -> dict | None:
         return None if fns is None else {**fns, **(lora or {}), **v_cols, "nb": NB}
     if name == "avx2" and has_avx2_fma():
         fns = load_functions("gemm_avx2", {"plain": "gemm_bf16_avx2"})
-        lora = load_functions("gemm_lora_avx2", {"lora": "gemm_lora_bf16_avx2"}) if fns is not None else None
-        v_cols = {"v_cols": lambda r, g: r * g, "paired": False} if lora else {}
-        return None if fns is None else {**fns, **(lora or {}), **v_cols, "nb": NB_AVX2}
+        return None if fns is None else {**fns, "nb": NB_AVX2}
     return None
 
 
@@ -80,8 +79,8 @@ def _fn():
 
 @dataclass
 class GemmLora:
-    """The multi-LoRA of some rows, for Gemm.__call__ to compute inside the GEMM (gemm_lora_avx512bf16.c,
-    gemm_lora_avx2.c): row t with slot[t] >= 0 gets y[t, cols of output g] += Bt_g(s)[:r]^T @ (A(s)[:r, g] @ x[t]),
+    """The multi-LoRA of some rows, for Gemm.__call__ to compute inside the GEMM (gemm_lora_avx512bf16.c):
+    row t with slot[t] >= 0 gets y[t, cols of output g] += Bt_g(s)[:r]^T @ (A(s)[:r, g] @ x[t]),
     s = slot[t], r = rank[t]. slot, rank: [M] int64; a, b: addresses of the slots' pointer tables (lora.Weights:
     a[s] -> A [R_s, G, K], b[s * G + g] -> Bt [R_s, out_g], on AVX512-BF16 paired [ceil(R_s / 2), out_g, 2]);
     max_rank: the largest R_s; outs: ctypes array of the G output widths (multiples of 16, summing to N; see

@@ -1,5 +1,5 @@
 """ctypes bindings of the C multi-LoRA kernels (lora.c) and of what the bf16 GEMM needs to compute
-decode tokens' LoRA itself (gemm_lora_avx512bf16.c, gemm_lora_avx2.c).
+decode tokens' LoRA itself (gemm_lora_avx512bf16.c).
 
 A `LoraDecode` (decode tokens), `LoraSegments` (prefill tokens grouped by adapter; on AMX every token) or
 `LoraRows` (decode tokens, for the GEMM) is prepared once per step and then used for every layer and fused group; weight
@@ -66,7 +66,8 @@ def unpair_rows(b: torch.Tensor) -> torch.Tensor:
 
 
 def supports_fused(dtype: torch.dtype) -> bool:
-    """Whether the C base GEMM computes decode tokens' LoRA itself here (LoraRows; bf16, AVX512-BF16 or AVX2)."""
+    """Whether the C base GEMM computes decode tokens' LoRA itself here (LoraRows; bf16, AVX512-BF16; on AVX2 the
+    decode kernel runs after the GEMM instead: measured faster there)."""
     return dtype == torch.bfloat16 and c_gemm.supports_lora()
 
 

@@ -5,9 +5,9 @@ over adapters in Python.
 Tokens are grouped once per step (`LoraBatch.build`); the step's distinct adapters become "slots" 0..S-1 of
 its pointer tables (lora.Weights). Decode tokens (the first `num_decode`, one per request) go to the C kernel
 (kernels/cpu/csrc/lora.c): one task per token that streams its adapter's own rank of A and B once, in fp32, so
-a decode token's delta never depends on who shares the step or its adapter. In bf16 with the C GEMM
-(AVX512-BF16 or AVX2), the GEMM computes those tokens' LoRA itself (`fused`,
-kernels/cpu/csrc/gemm_lora_avx512bf16.c, gemm_lora_avx2.c): the adapters' bytes stream in while it computes.
+a decode token's delta never depends on who shares the step or its adapter. In bf16 with the AVX512-BF16 C
+GEMM, the GEMM computes those tokens' LoRA itself (`fused`, kernels/cpu/csrc/gemm_lora_avx512bf16.c): the
+adapters' bytes stream in while it computes (on AVX2 the decode kernel after the GEMM measured faster).
 In bf16 with AVX512-BF16 or AVX2, prefill tokens go to the segment kernel (tokens grouped by adapter, 4 at a
 time per weight load, each token still computed on its own); otherwise (fp32, or bf16 on other CPUs) to the
 per-token kernel. Where AMX tiles run (c_lora.segments_on_amx), every token goes to the segment kernel, decode
@@ -32,8 +32,8 @@ def use_c_kernel(adapters: CpuPagedAdapters) -> bool:
 
 
 def fuse_into_gemm(adapters: CpuPagedAdapters) -> bool:
-    """Whether decode tokens' LoRA runs inside the C base GEMM (bf16, AVX512-BF16 or AVX2): the adapters'
-    bytes are then read while the GEMM computes instead of in memory-bound passes of their own."""
+    """Whether decode tokens' LoRA runs inside the C base GEMM (bf16, AVX512-BF16): the adapters' bytes are
+    then read while the GEMM computes instead of in memory-bound passes of their own."""
     return use_c_kernel(adapters) and c_lora.supports_fused(adapters.dtype)
 
 

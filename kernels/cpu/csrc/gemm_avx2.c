@@ -19,7 +19,6 @@
 #include <stdlib.h>
 
 #include "bf16.h"
-#include "walker.h"
 
 #define NC 16   /* columns per packed block */
 #define MR 5    /* rows per register tile: 10 accumulators + 2 raw + 2 converted weight vectors + 1 broadcast + mask = 16 ymm */
@@ -43,35 +42,30 @@ static inline void store_rows(const float *out, uint16_t *y, int64_t ys, int mr,
         store_rows(out_, y, ys, mr, ncols);                           \
     } while (0)
 
-/* y rows [0, mr) x columns [0, ncols) of one column block; x: fp32 rows at stride K; p: the block's panel;
- * pf: NULL, or a walker stepped every PF_EVERY k (gemm_lora_avx2.c: the next LoRA bytes, meanwhile) */
+/* y rows [0, mr) x columns [0, ncols) of one column block; x: fp32 rows at stride K; p: the block's panel */
 static inline __attribute__((always_inline)) void tile(const float *x, const uint16_t *p, uint16_t *y, int64_t ys,
-                                                       int K, int mr, int ncols, walker *pf) {
+                                                       int K, int mr, int ncols) {
     __m256 acc[MR][2];
     for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const float *xr[MR];
     for (int r = 0; r < MR; r++) xr[r] = x + (int64_t)(r < mr ? r : 0) * K;
     const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
-    for (int k0 = 0; k0 < K; k0 += PF_EVERY) {   /* a walker step between runs of PF_EVERY k, as tile_f32 */
-        if (pf) walker_step(pf);
-        const int k1 = k0 + PF_EVERY < K ? k0 + PF_EVERY : K;
-        for (int k = k0; k < k1; k += 2, p += 2 * NC) {
-            const __m256i w0 = _mm256_loadu_si256((const __m256i *)p), w1 = _mm256_loadu_si256((const __m256i *)(p + 16));
-            __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), b = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+    for (int k = 0; k < K; k += 2, p += 2 * NC) {
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)p), w1 = _mm256_loadu_si256((const __m256i *)(p + 16));
+        __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), b = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
 #pragma GCC unroll 8
-            for (int r = 0; r < MR; r++) {
-                const __m256 xv = _mm256_broadcast_ss(xr[r] + k);
-                acc[r][0] = _mm256_fmadd_ps(a, xv, acc[r][0]);
-                acc[r][1] = _mm256_fmadd_ps(b, xv, acc[r][1]);
-            }
-            a = _mm256_castsi256_ps(_mm256_and_si256(w0, hi));
-            b = _mm256_castsi256_ps(_mm256_and_si256(w1, hi));
+        for (int r = 0; r < MR; r++) {
+            const __m256 xv = _mm256_broadcast_ss(xr[r] + k);
+            acc[r][0] = _mm256_fmadd_ps(a, xv, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(b, xv, acc[r][1]);
+        }
+        a = _mm256_castsi256_ps(_mm256_and_si256(w0, hi));
+        b = _mm256_castsi256_ps(_mm256_and_si256(w1, hi));
 #pragma GCC unroll 8
-            for (int r = 0; r < MR; r++) {
-                const __m256 xv = _mm256_broadcast_ss(xr[r] + k + 1);
-                acc[r][0] = _mm256_fmadd_ps(a, xv, acc[r][0]);
-                acc[r][1] = _mm256_fmadd_ps(b, xv, acc[r][1]);
-            }
+        for (int r = 0; r < MR; r++) {
+            const __m256 xv = _mm256_broadcast_ss(xr[r] + k + 1);
+            acc[r][0] = _mm256_fmadd_ps(a, xv, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(b, xv, acc[r][1]);
         }
     }
     STORE_TILE(acc, MR, y, ys, mr, ncols);   /* lane j of w0 is column j, of w1 column 8 + j */
@@ -81,22 +75,18 @@ static inline __attribute__((always_inline)) void tile(const float *x, const uin
  * loop, one more row. The FMAs and their order are those of tile(), so both give identical bits. */
 #define MR32 6
 static inline __attribute__((always_inline)) void tile_f32(const float *x, const float *w, uint16_t *y, int64_t ys,
-                                                           int K, int mr, int ncols, walker *pf) {
+                                                           int K, int mr, int ncols) {
     __m256 acc[MR32][2];
     for (int r = 0; r < MR32; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const float *xr[MR32];
     for (int r = 0; r < MR32; r++) xr[r] = x + (int64_t)(r < mr ? r : 0) * K;
-    for (int k0 = 0; k0 < K; k0 += PF_EVERY) {   /* a walker step between runs of PF_EVERY k: the k loop stays dense */
-        if (pf) walker_step(pf);
-        const int k1 = k0 + PF_EVERY < K ? k0 + PF_EVERY : K;
-        for (int k = k0; k < k1; k++, w += NC) {
-            const __m256 a = _mm256_loadu_ps(w), b = _mm256_loadu_ps(w + 8);
+    for (int k = 0; k < K; k++, w += NC) {
+        const __m256 a = _mm256_loadu_ps(w), b = _mm256_loadu_ps(w + 8);
 #pragma GCC unroll 8
-            for (int r = 0; r < MR32; r++) {
-                const __m256 xv = _mm256_broadcast_ss(xr[r] + k);
-                acc[r][0] = _mm256_fmadd_ps(a, xv, acc[r][0]);
-                acc[r][1] = _mm256_fmadd_ps(b, xv, acc[r][1]);
-            }
+        for (int r = 0; r < MR32; r++) {
+            const __m256 xv = _mm256_broadcast_ss(xr[r] + k);
+            acc[r][0] = _mm256_fmadd_ps(a, xv, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(b, xv, acc[r][1]);
         }
     }
     STORE_TILE(acc, MR32, y, ys, mr, ncols);
@@ -129,16 +119,9 @@ static gemm_plan plan_gemm(const float *xf, const uint16_t *p, uint16_t *y, int6
     return g;
 }
 
-/* the walker steps gemm_task(g, task, w, pf) takes (w: whether it has a panel) */
-static inline int64_t task_steps(const gemm_plan *g, int task, int w) {
-    const int m0 = task / g->nblocks * g->mc, mr = (g->M - m0 < g->mc ? g->M - m0 : g->mc);
-    const int rows = w && mr > MR ? MR32 : MR;   /* either tile steps at k = 0, PF_EVERY, 2 PF_EVERY, ... */
-    return (int64_t)(g->K + PF_EVERY - 1) / PF_EVERY * ((mr + rows - 1) / rows);
-}
-
 /* task mb * nblocks + nb: rows of row block mb x column block nb; w: NULL, or a [K, 16] fp32 panel
- * (widened once when the task has more than MR rows); pf as tile() */
-static inline __attribute__((always_inline)) void gemm_task(const gemm_plan *g, int task, float *w, walker *pf) {
+ * (widened once when the task has more than MR rows) */
+static inline __attribute__((always_inline)) void gemm_task(const gemm_plan *g, int task, float *w) {
     const int mb = task / g->nblocks, nb = task % g->nblocks, K = g->K;
     const int m0 = mb * g->mc, m1 = m0 + g->mc < g->M ? m0 + g->mc : g->M;
     const int ncols = g->N - nb * NC < NC ? g->N - nb * NC : NC;
@@ -147,10 +130,10 @@ static inline __attribute__((always_inline)) void gemm_task(const gemm_plan *g, 
     if (w && m1 - m0 > MR) {   /* several row tiles: widen the panel once, then pure fp32 tiles */
         widen_panel(pn, w, K);
         for (int m = m0; m < m1; m += MR32)
-            tile_f32(g->xf + (int64_t)m * K, w, yb + (int64_t)m * g->ys, g->ys, K, m1 - m < MR32 ? m1 - m : MR32, ncols, pf);
+            tile_f32(g->xf + (int64_t)m * K, w, yb + (int64_t)m * g->ys, g->ys, K, m1 - m < MR32 ? m1 - m : MR32, ncols);
     } else {
         for (int m = m0; m < m1; m += MR)
-            tile(g->xf + (int64_t)m * K, pn, yb + (int64_t)m * g->ys, g->ys, K, m1 - m < MR ? m1 - m : MR, ncols, pf);
+            tile(g->xf + (int64_t)m * K, pn, yb + (int64_t)m * g->ys, g->ys, K, m1 - m < MR ? m1 - m : MR, ncols);
     }
 }
 
@@ -176,7 +159,7 @@ int gemm_bf16_avx2(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y
         float *w = M > MR ? panel_alloc(K) : NULL;
 #pragma omp barrier
 #pragma omp for schedule(static)
-        for (int task = 0; task < g.mblocks * g.nblocks; task++) gemm_task(&g, task, w, 0);
+        for (int task = 0; task < g.mblocks * g.nblocks; task++) gemm_task(&g, task, w);
         free(w);
     }
     free(xf);

@@ -37,16 +37,13 @@ void write_kv(const char *k, int64_t k_stride, const char *v, int64_t v_stride, 
               int64_t page_stride, const int64_t *pages, const int64_t *offs, int64_t rows, int64_t row_bytes);
 void argmax_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t n, int64_t *out);
 
-/* gemm_avx512bf16.c, gemm_lora_avx512bf16.c, gemm_avx2.c, gemm_lora_avx2.c */
+/* gemm_avx512bf16.c, gemm_lora_avx512bf16.c, gemm_avx2.c */
 int gemm_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y, int64_t ys, int M, int K, int N);
 int gemm_lora_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y, int64_t ys, int M, int K, int N,
                    const int64_t *slot, const int64_t *rank, const uint16_t *const *a, int R, int G,
                    const uint16_t *const *b, const int64_t *out, uint32_t *vp, int64_t vp_stride);
 int gemm_amx(int on);    /* each AVX512-BF16 GEMM library's (and decoder's) switch: gemm_tile.h */
 int gemm_bf16_avx2(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y, int64_t ys, int M, int K, int N);
-int gemm_lora_bf16_avx2(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y, int64_t ys, int M, int K,
-                        int N, const int64_t *slot, const int64_t *rank, const uint16_t *const *a, int R, int G,
-                        const uint16_t *const *b, const int64_t *out, float *v, int64_t v_stride);
 
 /* lora.c */
 int lora_decode_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const int64_t *tok,

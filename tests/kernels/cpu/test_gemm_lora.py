@@ -1,5 +1,5 @@
-"""The base GEMM that computes its decode rows' multi-LoRA itself (kernels/cpu/csrc/gemm_lora_avx512bf16.c, and
-gemm_lora_avx2.c, which an AVX512-BF16 CPU runs too)."""
+"""The base GEMM that computes its decode rows' multi-LoRA itself (kernels/cpu/csrc/gemm_lora_avx512bf16.c; the
+AVX2 GEMM takes none: there the decode kernel runs after it)."""
 from __future__ import annotations
 
 import pytest
