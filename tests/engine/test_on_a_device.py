@@ -168,14 +168,23 @@ def sends(monkeypatch):
 
 
 def counting_steps(llm: LLM, log: list) -> list[int]:
-    """From now on, how many entries each engine step adds to `log`, one count per step."""
-    counts, real_step = [], llm.engine.step
+    """From now on, how many entries each engine step that runs the model adds to `log`, one count per such
+    step (a step that only waits for an adapter's load, which a loaded host makes likelier, runs none)."""
+    counts, real_step, runner = [], llm.engine.step, llm.engine.runner
+    real_execute, ran = runner.execute, []
+
+    def execute(*args, **kwargs):
+        ran.append(True)
+        return real_execute(*args, **kwargs)
 
     def step():
         before = len(log)
+        ran.clear()
         out = real_step()
-        counts.append(len(log) - before)
+        if ran:
+            counts.append(len(log) - before)
         return out
+    runner.execute = execute
     llm.engine.step = step
     return counts
 
