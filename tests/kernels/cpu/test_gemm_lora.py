@@ -31,13 +31,12 @@ def case(slots, rank, n_in, outs, m, seed=0):
     return a, bs, w, x, tokens, row_slots, ranks
 
 
-def reference(a, bs, w, x, tokens, row_slots, ranks, rounded=True):
-    """fp32 sums; the intermediate A x rounded to bf16 (`rounded`: as a bf16 LoRA, PEFT's too, keeps it) or
-    kept in fp32 (the AVX2 kernels)"""
+def reference(a, bs, w, x, tokens, row_slots, ranks):
+    """fp32 sums; the intermediate A x rounded to bf16, as a bf16 LoRA (PEFT's too) keeps it"""
     ref = x.float() @ w.float().T
     for t, s, r in zip(tokens.tolist(), row_slots.tolist(), ranks.tolist()):
         v = a[s, :r].float() @ x[t].float()   # [r, G]
-        v = v.to(torch.bfloat16).float() if rounded else v
+        v = v.to(torch.bfloat16).float()
         col = 0
         for g, b in enumerate(bs):
             ref[t, col:col + b.shape[2]] += v[:, g] @ b[s, :r].float()
@@ -54,7 +53,7 @@ def test_matches_fp32_reference(slots, rank, n_in, outs, m, kind):
     a, bs, w, x, tokens, row_slots, ranks = case(slots, rank, n_in, outs, m)
     lin, weights = lora_gemm(w, a, bs, kind)
     y = lin(x, c_lora.LoraRows(tokens, row_slots, ranks, m)(weights))
-    ref = reference(a, bs, w, x, tokens, row_slots, ranks, rounded=gemm.variant(kind)["paired"])
+    ref = reference(a, bs, w, x, tokens, row_slots, ranks)
     # bf16 output: one rounding, or two (of the base, then of the sum) in the columns whose expand runs
     # after their tiles
     base = (x.float() @ w.float().T).abs()
