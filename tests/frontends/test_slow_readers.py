@@ -5,6 +5,7 @@ random Llama."""
 from __future__ import annotations
 
 import json
+import math
 import socket
 import struct
 import time
@@ -75,15 +76,26 @@ def test_a_reader_that_takes_nothing_is_aborted_after_the_timeout(slow_server):
     assert served_meanwhile(slow_server)
 
 
+def aborts(server) -> tuple[float, float]:
+    text = metrics_of(server)
+    counts = (metric(text, "loraplex_slow_reader_aborts_total", f'cause="{c}"') for c in ("buffer", "timeout"))
+    return tuple(0.0 if math.isnan(n) else n for n in counts)      # a cause not seen yet has no sample
+
+
 def test_a_reader_that_falls_stream_buffer_outputs_behind_is_aborted_and_its_pages_freed(slow_server):
+    requests.post(slow_server.url + "/v1/completions", timeout=60,     # its adapter loaded: only decoding races
+                  json={"model": "tiny-r8", "prompt": "Hi", "max_tokens": 1}).raise_for_status()
     tokens_before = metric(metrics_of(slow_server), "loraplex_generation_tokens_total")
+    buffer_before, timeout_before = aborts(slow_server)
     wanted = 1500
-    # ~1.5 KB events: the send buffers fill after ~100 of them, well before the timeout even on a slow host
+    # ~1.5 KB events: the send buffers fill after ~100 of them; BUFFER more must follow within --stream-timeout
+    # (3 s) of the first write that waits, for the abort to be the buffer's and not the timeout's (it was a
+    # 2.5 s wait from the request, which included a cold load of tiny-r8 and failed once on a busy CI host)
     body = {"model": "tiny-r8", "prompt": "Count", "max_tokens": wanted, "ignore_eos": True, "logprobs": 20}
     sock = stalled_stream(slow_server.url, body)
     try:
-        assert wait_until(lambda: metric(metrics_of(slow_server), "loraplex_slow_reader_aborts_total",
-                                         'cause="buffer"') == 1, timeout=2.5)    # before the timeout
+        assert wait_until(lambda: aborts(slow_server) != (buffer_before, timeout_before), timeout=30)
+        assert aborts(slow_server) == (buffer_before + 1, timeout_before)     # the buffer's abort, not the timeout's
         assert wait_until(lambda: engine_idle(slow_server), timeout=10)
         generated = metric(metrics_of(slow_server), "loraplex_generation_tokens_total") - tokens_before
         assert BUFFER <= generated < wanted      # aborted in the engine, not run to the end for nobody
