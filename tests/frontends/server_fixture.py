@@ -75,5 +75,6 @@ def stream_running(url: str, body: dict) -> tuple[threading.Thread, list[bytes]]
             got.extend(line for line in r.iter_lines() if line)
     reader = threading.Thread(target=read)
     reader.start()
-    assert wait_until(lambda: len(got) > 0, timeout=30), "the stream did not begin"
+    # polled often: on a fast host a tiny model streams hundreds of tokens in 0.2 s (wait_until's default pace)
+    assert wait_until(lambda: len(got) > 0, timeout=30, every=0.002), "the stream did not begin"
     return reader, got

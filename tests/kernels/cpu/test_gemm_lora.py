@@ -15,8 +15,12 @@ KINDS = [k for k in gemm.variants() if "lora" in gemm.variant(k)]   # the engine
 
 
 def lora_gemm(w, a, bs, kind):
-    """(the GEMM of variant `kind`, the adapters in the layout it reads)"""
-    return gemm.Gemm(w, kind), c_lora.Weights.of(a, bs, paired=gemm.variant(kind)["paired"])
+    """(the GEMM of variant `kind`, the adapters in the layout it reads: Weights.of(paired=True) takes B already
+    paired)"""
+    paired = gemm.variant(kind)["paired"]
+    if paired:
+        bs = [c_lora.pair_rows(b).contiguous() for b in bs]
+    return gemm.Gemm(w, kind), c_lora.Weights.of(a, bs, paired=paired)
 
 
 def case(slots, rank, n_in, outs, m, seed=0):
