@@ -87,7 +87,7 @@ def main() -> None:
     freeze_startup_objects()        # as the server's engine process does once it is built
     loraplex_seconds(llm, "warm-up", dirs[0])
     ours = [loraplex_seconds(llm, f"c{i}", d) for i, d in enumerate(dirs)]
-    llm.engine.adapters.close()
+    llm.close()
     del llm
     path, _ = resolve_model("default")
     base = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval().to(args.device)

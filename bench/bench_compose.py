@@ -35,7 +35,7 @@ def main() -> None:
     write_pair("compose", ("one adapter each", ones), ("4 adapters composed", comps),
                f"{NUM} requests, rank-{RANK} adapters, bf16",
                {"requests": NUM, "adapters": ADAPTERS, "rank": RANK, "scales": SCALES}, goal="goal >= 0.7x")
-    llm.engine.adapters.close()
+    llm.close()
 
 
 if __name__ == "__main__":

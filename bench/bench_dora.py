@@ -80,7 +80,7 @@ def main() -> None:
     write_pair("dora", ("LoRA adapters", loras), ("the same as DoRA", doras),
                f"{NUM} requests, {ADAPTERS} rank-{RANK} adapters, bf16",
                {"requests": NUM, "adapters": ADAPTERS, "rank": RANK, "cold_first_token_s": loads})
-    llm.engine.adapters.close()
+    llm.close()
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def experiment_a(args, work: Path) -> None:
     print(f"    memory             : the adapters' {nbytes / 1e6:.0f} MB take {read_s * 1e3:.1f} ms to read once here "
           f"({nbytes / read_s / 1e9:.1f} GB/s); if those reads did not overlap compute, {steps} decode steps would "
           f"add {steps * read_s:.2f} s to the base run's {base_s:.2f} s: {base_s / (base_s + steps * read_s):.2f}x")
-    llm.engine.adapters.close()
+    llm.close()
 
 
 def read_time(core) -> tuple[float, int]:
@@ -152,7 +152,7 @@ def experiment_b(args, work: Path) -> None:
             results[label].append(run(llm, prompts, names, args.out_len))
             print(f"(b) {label:15s}: {results[label][-1]:8.1f} tok/s   ({stats_line(llm, before)}, "
                   f"pool {llm.engine.pool.num_pages} pages)")
-    llm.engine.adapters.close()
+    llm.close()
     zipf_best, single_best = max(results["zipf over 1000"]), max(results["single adapter"])
     print(f"    ratio              : {zipf_best / single_best:.2f}x single adapter, the best of each of "
           f"{args.repeats} alternated runs (target 0.7)")

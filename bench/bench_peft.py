@@ -59,7 +59,7 @@ def experiment_peft(args, work: Path) -> None:
     print(f"    loraplex, base model : {base:8.1f} tok/s (median of {args.repeats})")
     for k, v in ours.items():
         print(f"    loraplex, {k:10s} : {v:8.1f} tok/s   ({v / base:.2f}x its base model; goal >= 0.85x)")
-    llm.engine.adapters.close()
+    llm.close()
     del llm
     theirs = run_peft(args, dirs, names, prompts, picks)
     res = {"base_tok_s": base, "loraplex_tok_s": ours, "peft_tok_s": theirs, "loraplex_runs": runs,
@@ -133,7 +133,7 @@ def experiment_sweep(args, work: Path) -> None:
         tps = run_loraplex(llm, prompts, names, args.out_len)
         results.append(tps)
         print(f"    {n:5d} adapters: {tps:8.1f} tok/s   ({stats_line(llm, before)})")
-        llm.engine.adapters.close()
+        llm.close()
         del llm
     print(f"    slowest / fastest  : {min(results) / max(results):.2f} (flat: close to 1)")
 

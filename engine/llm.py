@@ -28,6 +28,20 @@ class LLM:
         self.engine = EngineCore(self.config)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+        self.closed = False
+
+    def close(self) -> None:
+        """Stop the adapter loader's and digester's threads (a load in flight is cancelled); idempotent. The
+        LLM generates no more after it. `with LLM(...) as llm:` closes it on leaving the block."""
+        self.closed = True
+        if self.engine.adapters is not None:
+            self.engine.adapters.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _tokens(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -78,6 +92,8 @@ class LLM:
         return values
 
     def _run(self, token_lists, texts, params, adapter, use_tqdm) -> list[RequestOutput]:
+        if self.closed:
+            raise RuntimeError("this LLM is closed (close() or its `with` block ended): make a new one")
         plist = self._per_prompt(params or SamplingParams(), len(token_lists), "params")
         alist = self._per_prompt(adapter, len(token_lists), "adapter")
         results: dict[str, RequestOutput] = {}

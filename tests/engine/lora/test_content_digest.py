@@ -147,7 +147,7 @@ def reference(adapter_dir):
     for name in ("r4-qv", "r8-all"):
         llm.register_adapter(name, str(src / name))
         out[name] = run(llm, name)[0]
-    llm.engine.adapters.close()
+    llm.close()
     return out
 
 

@@ -201,4 +201,21 @@ def test_many_adapters_through_a_small_pool_load_each_about_once(tmp_path):
     assert all(len(o.token_ids) == out_len for o in outs)
     stats = llm.engine.adapters.stats
     assert stats.loads <= 30, stats
-    llm.engine.adapters.close()
+    llm.close()
+
+
+def test_close_stops_the_loader_threads_and_refuses_later_work(adapter_dir):
+    import threading
+
+    d, _ = adapter_dir
+    name = next(iter(FIDELITY_ADAPTERS))
+    before = set(threading.enumerate())
+    with LLM(dtype="float32", max_num_batched_tokens=256) as llm:
+        llm.register_adapter(name, str(d / name))
+        assert llm.generate("Hello", GREEDY, adapter=name)[0].token_ids
+        mine = [t for t in set(threading.enumerate()) - before if t.name.startswith("loraplex-")]
+        assert any(t.name.startswith("loraplex-loader") for t in mine), mine
+    assert not [t for t in mine if t.is_alive()]
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.generate("Hello", GREEDY)
+    llm.close()                                   # idempotent
