@@ -24,6 +24,9 @@ def die_with_parent(sig: int = signal.SIGTERM):
     parent = os.getpid()
 
     def arm() -> None:
+        # a mask is inherited across exec: a child of a Ray process (the launcher starts Ray with SIGTERM
+        # blocked, ray_launcher.start_ray) must be able to receive the signal it is armed with
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig))
         if os.getppid() != parent:        # the parent died before the prctl took effect
             os.kill(os.getpid(), sig)

@@ -45,7 +45,7 @@ def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, p
         print(f"loraplex: error: {host}:{port} is already served by {holder}; stop it or choose another --port",
               file=sys.stderr, flush=True)
         return 1
-    ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
+    start_ray(ray_address)
     port = port or free_port(host)
     serve.start(http_options={"host": host, "port": port})
     stopping = threading.Event()
@@ -56,16 +56,16 @@ def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, p
     try:
         app = build_app(replica_argv(argv), replicas, max_adapters, routing=routing, load_bound=load_bound)
         serve.run(app, name="loraplex", route_prefix="/")
+        directory = serve.get_deployment_handle("Directory", app_name="loraplex")
+        _note_pids(directory, pids)         # before ready: a stop right after it must know every replica's server
         where = ray_address or "a local Ray instance"
         url = f"http://{host}:{port}"
         print(f"loraplex: serving at {url}/v1 ({replicas} replicas on Ray Serve, {where})", file=sys.stderr,
               flush=True)
         ready.announce(url=url, replicas=replicas, pid=os.getpid())
-        directory = serve.get_deployment_handle("Directory", app_name="loraplex")
         while not stopping.wait(1.0):       # the replicas' processes, replacements and replaced ones included
             _note_pids(directory, pids)
-        if gcs is None:
-            _note_pids(directory, pids)     # a replica registered since the last look (a replacement, say)
+        _note_pids(directory, pids, 5.0)    # a replica registered since the last look (a replacement, say)
     finally:
         if gcs is not None and stopping.is_set():
             _stop_local(pids)
@@ -78,6 +78,21 @@ def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, p
             print(f"loraplex: processes {left} still ran {STOP_WAIT_S:.0f} s after the stop; killed", flush=True)
         print("loraplex: stopped", flush=True)
     return 0
+
+
+def start_ray(ray_address: str | None) -> None:
+    """ray.init, with SIGTERM blocked in the processes a local instance starts (its GCS, raylet and, through
+    the raylet, every worker: Serve's proxy, the ingress and the replicas' actors). A SIGTERM to the whole
+    process group (`kill -- -PGID`; systemd's cgroup-wide stop) then stops only this launcher, which drains
+    the replicas' servers while Ray's proxy still carries their streams, then kills Ray's processes
+    (_stop_local). Ray itself already blocks SIGINT there. A replica's server unblocks SIGTERM
+    (lifetime.die_with_parent). The mask is this thread's, restored once the processes are started."""
+    import ray
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        ray.init(address=ray_address, include_dashboard=False, log_to_driver=True)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 STOP_WAIT_S = 90.0      # a replica's server drains up to --shutdown-timeout (30 s) before it exits
@@ -95,13 +110,13 @@ def local_gcs(root: int) -> int | None:
 
 def _stop_local(pids: dict[int, str]) -> None:
     """The stop of a local Ray instance (ours: every process of it is below this one): each replica's server
-    gets SIGTERM and drains its streams, then Ray's processes get theirs. Not through `serve.shutdown()`:
-    a SIGTERM to the whole process group (systemd, `kill -- -PGID`, the tests) also reaches Ray's GCS and
-    raylet (its workers have process groups of their own), and Serve's controller then cannot stop the
-    replicas: `serve.shutdown()` waited out its 30 s timeout, and `ray.shutdown()` or Ray's exit hook up
-    to 60 s for the dead GCS before Ray's client killed the process (exit 1). So this leaves without
-    Ray's exit hooks. A replica started in the last second, not yet noted, gets SIGTERM from its dying
-    Ray worker instead (frontends/lifetime.py)."""
+    gets SIGTERM and drains its streams, which Ray's proxy still carries, then Ray's processes are killed.
+    Ray's processes have SIGTERM blocked (start_ray) and SIGINT too (Ray's own doing), so neither a
+    SIGTERM to the whole process group (systemd's cgroup-wide stop, `kill -- -PGID`) nor Ctrl-C stops them
+    before the streams end; before that mask, a group SIGTERM killed the GCS, raylet and proxy at once and
+    cut every stream (and `serve.shutdown()` then waited out its 30 s for the dead GCS, so this does not go
+    through it, nor through Ray's exit hooks: it leaves with os._exit). A replica started in the last second, not yet
+    noted, gets SIGTERM from its Ray worker's death instead (frontends/lifetime.py)."""
     import sys
     servers = [p for p, started in pids.items() if _start_time(p) == started]
     for p in servers:
@@ -111,9 +126,8 @@ def _stop_local(pids: dict[int, str]) -> None:
     ray_own = descendants(os.getpid())
     for p in ray_own:
         with contextlib.suppress(OSError):
-            os.kill(p, signal.SIGTERM)
-    killed = wait_gone([p for p, started in ray_own.items() if _start_time(p) == started], RAY_STOP_S)
-    wait_gone(killed + left, RAY_STOP_S)         # a SIGKILLed process takes a moment to be gone
+            os.kill(p, signal.SIGKILL)           # SIGTERM is blocked there (start_ray)
+    wait_gone([p for p, started in ray_own.items() if _start_time(p) == started] + left, RAY_STOP_S)
     if left:
         print(f"loraplex: processes {left} still ran {STOP_WAIT_S:.0f} s after the stop; killed", flush=True)
     print("loraplex: stopped", flush=True)
@@ -121,10 +135,10 @@ def _stop_local(pids: dict[int, str]) -> None:
     os._exit(0)
 
 
-def _note_pids(directory, pids: dict[int, str]) -> None:
+def _note_pids(directory, pids: dict[int, str], timeout: float = 30.0) -> None:
     """Add to `pids` (pid -> start time) the server processes of every replica the Directory knows now."""
     with contextlib.suppress(Exception):
-        for info in directory.all.remote().result(timeout_s=30).values():
+        for info in directory.all.remote().result(timeout_s=timeout).values():
             for p in info.get("pids", []):
                 if p not in pids and (started := _start_time(p)) is not None:
                     pids[p] = started

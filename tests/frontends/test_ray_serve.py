@@ -65,6 +65,22 @@ class RayServer:
         return out
 
 
+def stop_while_streaming(s: RayServer, sig: int) -> None:
+    """`sig` to the server's process group while a long stream runs: the stream finishes whole, the server
+    exits 0, and none of its processes (Ray's included) is left."""
+    n = 1500           # outlasts the signal's delivery on a fast host (400 had all but 3 sent on a Zen 4)
+    reader, got = stream_running(s.url, {"model": "tiny-r2", "prompt": "Once upon a time", "max_tokens": n,
+                                         "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}})
+    stopped_at, before = time.monotonic(), len(got)
+    assert s.stop(sig) == 0, "".join(s.lines[-40:])
+    assert before < n / 2, f"{before} of {n} tokens came before the stop: nothing was left to drain"
+    reader.join(60)
+    events = [json.loads(line[len(b"data: "):]) for line in got if line.startswith(b"data: {")]
+    assert events[-1]["usage"]["completion_tokens"] == n and got[-1] == b"data: [DONE]", got[-3:]
+    assert not s.left(), s.left()          # serve --replicas returns only once its processes are gone
+    print(f"stopped in {time.monotonic() - stopped_at:.1f} s with a {n}-token stream running")
+
+
 @pytest.fixture(scope="module")
 def ray_server(tiny_served, tmp_path_factory):
     model, adapters = tiny_served
@@ -75,18 +91,7 @@ def ray_server(tiny_served, tmp_path_factory):
     s.roots = roots
     assert s.info["replicas"] == 2 and s.info["pid"] == s.proc.pid
     yield s
-    # Ctrl-C (SIGINT to the whole group: Ray's own processes ignore it) lets a running stream finish
-    n = 1500           # outlasts the SIGINT's delivery on a fast host (400 had all but 3 sent on a Zen 4)
-    reader, got = stream_running(s.url, {"model": "tiny-r2", "prompt": "Once upon a time", "max_tokens": n,
-                                         "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}})
-    stopped_at, before = time.monotonic(), len(got)
-    assert s.stop(signal.SIGINT) == 0
-    assert before < n / 2, f"{before} of {n} tokens came before the stop: nothing was left to drain"
-    reader.join(60)
-    events = [json.loads(line[len(b"data: "):]) for line in got if line.startswith(b"data: {")]
-    assert events[-1]["usage"]["completion_tokens"] == n and got[-1] == b"data: [DONE]", got[-3:]
-    assert not s.left(), s.left()          # serve --replicas returns only once its processes are gone
-    print(f"stopped in {time.monotonic() - stopped_at:.1f} s with a {n}-token stream running")
+    stop_while_streaming(s, signal.SIGINT)     # Ctrl-C: SIGINT to the whole group; Ray's own processes ignore it
 
 
 @pytest.fixture()

@@ -1,0 +1,22 @@
+"""`loraplex serve --replicas 2` stopped by SIGTERM to its whole process group (`kill -- -PGID`), which reaches
+Ray's GCS and raylet too: they have SIGTERM blocked (ray_launcher.start_ray), so Ray's proxy still carries
+the stream while the launcher drains the replicas' servers. A stream running at the stop finishes whole, the
+launcher exits 0, and nothing is left. Without the mask the raylet died at once and took the stream with it;
+without reading the replicas' pids before ready, a stop right after it drained nothing. (Ctrl-C, SIGINT to
+the group: test_ray_serve.py's module teardown. A module of its own: one local Ray at a time.)"""
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from tests.frontends.test_ray_serve import RayServer, stop_while_streaming  # noqa: E402
+
+
+def test_sigterm_to_the_whole_group_drains_a_stream_and_leaves_nothing(tiny_served):
+    model, adapters = tiny_served
+    s = RayServer("--model", str(model), "--dtype", "float32", "--adapter-dir", str(adapters),
+                  "--kv-cache-memory-bytes", str(64 << 20))
+    stop_while_streaming(s, signal.SIGTERM)
