@@ -110,7 +110,9 @@ def local_gcs(root: int) -> int | None:
 
 def _stop_local(pids: dict[int, str]) -> None:
     """The stop of a local Ray instance (ours: every process of it is below this one): each replica's server
-    gets SIGTERM and drains its streams, which Ray's proxy still carries, then Ray's processes are killed.
+    gets SIGTERM (its launcher only: that drains the frontends, then stops the engine; the engine and the
+    frontends may have had one already, from a stop of the whole cgroup, and a second stops an engine at
+    once) and drains its streams, which Ray's proxy still carries, then Ray's processes are killed.
     Ray's processes have SIGTERM blocked (start_ray) and SIGINT too (Ray's own doing), so neither a
     SIGTERM to the whole process group (systemd's cgroup-wide stop, `kill -- -PGID`) nor Ctrl-C stops them
     before the streams end; before that mask, a group SIGTERM killed the GCS, raylet and proxy at once and
@@ -120,8 +122,9 @@ def _stop_local(pids: dict[int, str]) -> None:
     import sys
     servers = [p for p, started in pids.items() if _start_time(p) == started]
     for p in servers:
-        with contextlib.suppress(OSError):
-            os.kill(p, signal.SIGTERM)
+        if _parent(p) not in servers:        # each server's own launcher, which drains its frontends, then
+            with contextlib.suppress(OSError):   # stops its engine: a second SIGTERM stops an engine at once
+                os.kill(p, signal.SIGTERM)
     left = wait_gone(servers, STOP_WAIT_S)
     ray_own = descendants(os.getpid())
     for p in ray_own:
@@ -171,6 +174,14 @@ def wait_gone(pids: list[int], timeout: float) -> list[int]:
         with contextlib.suppress(OSError):
             os.kill(p, signal.SIGKILL)
     return alive
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _start_time(pid: int) -> str | None:
