@@ -45,7 +45,14 @@ def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, p
         print(f"loraplex: error: {host}:{port} is already served by {holder}; stop it or choose another --port",
               file=sys.stderr, flush=True)
         return 1
-    start_ray(ray_address)
+    if ray_address and (why := unreachable(ray_address)):
+        print(f"loraplex: error: --ray-address {ray_address}: {why}", file=sys.stderr, flush=True)
+        return 1
+    try:
+        start_ray(ray_address)
+    except ConnectionError as e:
+        print(f"loraplex: error: --ray-address {ray_address}: {e}", file=sys.stderr, flush=True)
+        return 1
     port = port or free_port(host)
     serve.start(http_options={"host": host, "port": port})
     stopping = threading.Event()
@@ -78,6 +85,21 @@ def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, p
             print(f"loraplex: processes {left} still ran {STOP_WAIT_S:.0f} s after the stop; killed", flush=True)
         print("loraplex: stopped", flush=True)
     return 0
+
+
+def unreachable(address: str, timeout: float = 5.0) -> str | None:
+    """Why no Ray cluster can answer at a plain `host:port` address (nothing listens, no such host), or None
+    (reachable, or another form: `auto`, `ray://...`, which ray.init judges). ray.init itself retries an
+    address where nothing listens for minutes before it gives up."""
+    import socket
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return None
+    except OSError as e:
+        return f"no Ray cluster answers there ({e.strerror or e})"
 
 
 def start_ray(ray_address: str | None) -> None:

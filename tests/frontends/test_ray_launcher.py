@@ -50,3 +50,17 @@ def test_the_stop_waits_for_grandchildren_too():
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_ray_address_where_nothing_listens_is_a_clear_error_at_once(tmp_path):
+    """Not minutes of ray.init's retries and a traceback: one line naming the flag, at once."""
+    import socket
+    with socket.socket() as s:                 # a port nothing listens on: bound, never listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        start = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "frontends.cli", "serve", "--replicas", "2", "--port", "0",
+                            "--ray-address", f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert f"loraplex: error: --ray-address 127.0.0.1:{port}: no Ray cluster answers there" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and time.monotonic() - start < 60
