@@ -31,8 +31,9 @@ class LLM:
         self.closed = False
 
     def close(self) -> None:
-        """Stop the adapter loader's and digester's threads (a load in flight is cancelled); idempotent. The
-        LLM generates no more after it. `with LLM(...) as llm:` closes it on leaving the block."""
+        """Stop the adapter loader's and digester's threads (loads not started are cancelled, a running one
+        finishes first); idempotent. The LLM generates no more after it. `with LLM(...) as llm:` closes it
+        on leaving the block."""
         self.closed = True
         if self.engine.adapters is not None:
             self.engine.adapters.close()

@@ -118,7 +118,7 @@ def start_ray(ray_address: str | None) -> None:
 
 
 STOP_WAIT_S = 90.0      # a replica's server drains up to --shutdown-timeout (30 s) before it exits
-RAY_STOP_S = 1.0        # then a local Ray's own processes, SIGKILLed after it (as ray.shutdown does)
+RAY_STOP_S = 1.0        # then a local Ray's own processes are SIGKILLed: the wait for them to be gone
 
 
 def local_gcs(root: int) -> int | None:
@@ -131,16 +131,14 @@ def local_gcs(root: int) -> int | None:
 
 
 def _stop_local(pids: dict[int, str]) -> None:
-    """The stop of a local Ray instance (ours: every process of it is below this one): each replica's server
-    gets SIGTERM (its launcher only: that drains the frontends, then stops the engine; the engine and the
-    frontends may have had one already, from a stop of the whole cgroup, and a second stops an engine at
-    once) and drains its streams, which Ray's proxy still carries, then Ray's processes are killed.
-    Ray's processes have SIGTERM blocked (start_ray) and SIGINT too (Ray's own doing), so neither a
-    SIGTERM to the whole process group (systemd's cgroup-wide stop, `kill -- -PGID`) nor Ctrl-C stops them
-    before the streams end; before that mask, a group SIGTERM killed the GCS, raylet and proxy at once and
-    cut every stream (and `serve.shutdown()` then waited out its 30 s for the dead GCS, so this does not go
-    through it, nor through Ray's exit hooks: it leaves with os._exit). A replica started in the last second, not yet
-    noted, gets SIGTERM from its Ray worker's death instead (frontends/lifetime.py)."""
+    """The stop of a local Ray instance (ours: every process of it is below this one). Each replica's server
+    gets SIGTERM, its launcher only (which drains its frontends, then stops its engine: after a stop of the
+    whole cgroup the engine has had one SIGTERM already, and a second stops it at once), and drains its
+    streams while Ray's proxy still carries them; then Ray's processes are SIGKILLed (they have SIGTERM
+    blocked: start_ray). Not through `serve.shutdown()` nor Ray's exit hooks (before the mask, a group
+    SIGTERM killed the GCS and `serve.shutdown()` then waited out its 30 s): it leaves with os._exit. A
+    replica registered after the last reading of the pids gets SIGTERM from its Ray worker's death instead
+    (frontends/lifetime.py), too late to drain through the proxy."""
     import sys
     servers = [p for p, started in pids.items() if _start_time(p) == started]
     for p in servers:
