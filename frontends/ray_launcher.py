@@ -72,6 +72,8 @@ def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, p
         ready.announce(url=url, replicas=replicas, pid=os.getpid())
         while not stopping.wait(1.0):       # the replicas' processes, replacements and replaced ones included
             _note_pids(directory, pids)
+        with contextlib.suppress(Exception):   # no replica is replaced from here on (ray_replica.check_health)
+            directory.stop.remote().result(timeout_s=5.0)
         _note_pids(directory, pids, 5.0)    # a replica registered since the last look (a replacement, say)
     finally:
         if gcs is not None and stopping.is_set():

@@ -28,11 +28,19 @@ from frontends.lifetime import die_with_parent
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
 class Directory:
-    """Replica name -> {"url", "pid", "model"} of the loraplex server it runs."""
+    """Replica name -> {"url", "pid", "model"} of the loraplex server it runs; and whether the launcher is
+    stopping the application (a replica whose server has exited then is not replaced)."""
 
     def __init__(self):
         self.replicas: dict[str, dict] = {}
         self.runtime: dict[str, dict] = {}      # adapters loaded at run time: name -> its load request
+        self.stopping = False
+
+    def stop(self) -> None:
+        self.stopping = True
+
+    def is_stopping(self) -> bool:
+        return self.stopping
 
     def register(self, name: str, info: dict) -> None:
         self.replicas[name] = info
@@ -120,8 +128,12 @@ class _Replica:
             async for chunk in r.content.iter_any():
                 yield chunk
 
-    def check_health(self) -> None:
-        if self.proc.poll() is not None:
+    async def check_health(self) -> None:
+        """Fails once the server has exited (Ray Serve then replaces the replica), except while the launcher
+        stops the application: a SIGTERM to every process of the service (systemd's stop of its cgroup)
+        reaches the servers too, and each drains and exits on its own; a replacement started then would
+        only be killed again."""
+        if self.proc.poll() is not None and not await self.directory.is_stopping.remote():
             raise RuntimeError(f"the replica's loraplex server exited with {self.proc.returncode}")
 
     def __del__(self):

@@ -70,19 +70,26 @@ class RayServer:
         return list(self.session().values())
 
 
-def stop_while_streaming(s: RayServer, sig: int) -> None:
-    """`sig` to the server's process group while a long stream runs: the stream finishes whole, the server
-    exits 0, and none of its processes (Ray's included) is left."""
+def stop_while_streaming(s: RayServer, sig: int, everyone: bool = False) -> None:
+    """`sig` to the server's process group (with `everyone`, first to every process of its session, as
+    systemd stops a service's cgroup) while a long stream runs: the stream finishes whole, the server exits
+    0, and none of its processes (Ray's included) is left."""
     n = 1500           # outlasts the signal's delivery on a fast host (400 had all but 3 sent on a Zen 4)
     reader, got = stream_running(s.url, {"model": "tiny-r2", "prompt": "Once upon a time", "max_tokens": n,
                                          "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}})
-    stopped_at, before = time.monotonic(), len(got)
+    stopped_at, before, said = time.monotonic(), len(got), len(s.lines)
+    if everyone:
+        for pid in s.session():
+            with contextlib.suppress(OSError):
+                os.kill(pid, sig)
     assert s.stop(sig) == 0, "".join(s.lines[-40:])
     assert before < n / 2, f"{before} of {n} tokens came before the stop: nothing was left to drain"
     reader.join(60)
     events = [json.loads(line[len(b"data: "):]) for line in got if line.startswith(b"data: {")]
     assert events[-1]["usage"]["completion_tokens"] == n and got[-1] == b"data: [DONE]", got[-3:]
     assert not s.left(), s.left()          # serve --replicas returns only once its processes are gone
+    # nor did Ray Serve replace a replica whose server had drained and exited (its health check's words)
+    assert not [line for line in s.lines[said:] if "loraplex server exited" in line], "a replica was replaced"
     print(f"stopped in {time.monotonic() - stopped_at:.1f} s with a {n}-token stream running")
 
 

@@ -2,8 +2,11 @@
 Ray's GCS and raylet too: they have it blocked (ray_launcher.start_ray), so Ray's proxy still carries the
 stream while the launcher drains the replicas' servers. A stream running at the stop finishes whole, the
 launcher exits 0, and nothing is left. It failed without the mask (the raylet died at once, taking the proxy
-and the stream). (Ctrl-C, SIGINT to the group: test_ray_serve.py's module teardown. A module of its own: one
-local Ray at a time.)"""
+and the stream). Then by SIGTERM to every process of the service, as systemd stops a cgroup: the replicas'
+servers get it too and drain on their own, and no replica is replaced meanwhile (without the launcher's
+word to the Directory, Ray Serve replaced each idle replica whose server had exited, and once, in a loaded
+suite, the stop overran 150 s). (Ctrl-C, SIGINT to the group: test_ray_serve.py's module teardown. A module of
+its own: one local Ray at a time.)"""
 from __future__ import annotations
 
 import signal
@@ -20,3 +23,10 @@ def test_sigterm_to_the_process_group_drains_a_stream_and_leaves_nothing(tiny_se
     s = RayServer("--model", str(model), "--dtype", "float32", "--adapter-dir", str(adapters),
                   "--kv-cache-memory-bytes", str(64 << 20))
     stop_while_streaming(s, signal.SIGTERM)
+
+
+def test_sigterm_to_every_process_drains_a_stream_replaces_no_replica_and_leaves_nothing(tiny_served):
+    model, adapters = tiny_served
+    s = RayServer("--model", str(model), "--dtype", "float32", "--adapter-dir", str(adapters),
+                  "--kv-cache-memory-bytes", str(64 << 20))
+    stop_while_streaming(s, signal.SIGTERM, everyone=True)
