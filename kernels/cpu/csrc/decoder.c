@@ -75,6 +75,8 @@ typedef struct decoder_args {
 typedef struct {
     const int64_t *rows;
     int nrows;
+    const int *group;                           /* the rows' groups of one adapter (row_groups) */
+    int ngroups;
     walker *w;
     int64_t tasks;                              /* the segments' tasks (segment_tasks) */
     const int64_t *task_seg;
@@ -90,7 +92,7 @@ static void project(const decoder_args *a, const step_state *st, int l, int g, c
     if (!lo || !lo->a || st->nrows == 0) {
         gemm_for(x, K, p, y, N, a->T, K, N);
     } else {
-        const job j = make_job(x, K, p, y, N, a->T, K, N, st->rows, st->nrows, a->slot, a->rank, lo->a, lo->G, lo->b, lo->out, a->vp, a->vp_stride);
+        const job j = make_job(x, K, p, y, N, a->T, K, N, st->rows, st->nrows, st->group, st->ngroups, a->slot, a->rank, lo->a, lo->G, lo->b, lo->out, a->vp, a->vp_stride);
         gemm_lora_run(&j, st->w);
 #pragma omp barrier
     }
@@ -158,18 +160,20 @@ int decoder_layers_bf16(const decoder_args *a) {
     if (bad) return bad;
     if (a->T <= 0) return 0;
     int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * a->T);
+    int *group = (int *)malloc(sizeof(int) * (a->T + 1));
     walker *walkers = (walker *)malloc(sizeof(walker) * omp_get_max_threads());
-    if (!rows || !walkers) { free(rows); free(walkers); return -4; }
+    if (!rows || !group || !walkers) { free(rows); free(group); free(walkers); return -4; }
     const int nrows = a->lora && a->slot ? adapter_rows(a->slot, a->rank, a->T, max_rank, rows) : 0;
+    const int ngroups = nrows > 0 ? row_groups(rows, nrows, a->slot, a->rank, group) : 0;
     int64_t tasks = 0, *task_seg = NULL;
     const int seg_rc = a->lora && a->n_seg > 0 ? segment_tasks(a->seg_start, a->seg_rank, a->n_seg, max_rank, segment_task_tokens(),
                                                               &tasks, &task_seg) : 0;
-    if (nrows < 0 || seg_rc) { free(rows); free(walkers); return nrows < 0 ? nrows : seg_rc; }
+    if (nrows < 0 || seg_rc) { free(rows); free(group); free(walkers); return nrows < 0 ? nrows : seg_rc; }
     int failed = 0;
 #pragma omp parallel
     {
         const int t = omp_get_thread_num(), nth = omp_get_num_threads();
-        const step_state st = {rows, nrows, walkers + t, tasks, task_seg};
+        const step_state st = {rows, nrows, group, ngroups, walkers + t, tasks, task_seg};
         rms_norm_for_bf16(a->x, a->H, a->layers[0].input_norm, a->h, a->H, a->T, a->H, a->eps);
         for (int l = 0; l < a->num_layers; l++) {
             const int rc = layer(a, &st, l, t, nth);
@@ -180,6 +184,7 @@ int decoder_layers_bf16(const decoder_args *a) {
         }
     }
     free(rows);
+    free(group);
     free(walkers);
     free(task_seg);
     return failed;

@@ -5,6 +5,8 @@
  * task runs the tiles of its rows over the whole K. Each output is one fp32 sum rounded once to bf16, so
  * a row's result never depends on the other rows of the batch.
  */
+#ifndef GEMM_AVX512BF16_C   /* also included by gemm_lora_avx512bf16.c, both included by decoder.c */
+#define GEMM_AVX512BF16_C
 #include "loraplex_kernels.h"
 #include "gemm_tile.h"
 
@@ -32,3 +34,4 @@ int gemm_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y, int
     gemm_for(x, xs, p, y, ys, M, K, N);
     return 0;
 }
+#endif

@@ -10,7 +10,9 @@
  *      epilogue of gemm_tile.h), and between them the expand of phase 1's columns into y (y rounded
  *      twice there, as an unfused LoRA does).
  * Each thread runs a contiguous range of tiles; each tile carries its share of the memory-bound steps, run
- * after it, whose bytes are prefetched while it computes (gemm_tile.h's walker). Phase 1's share of the
+ * after it, whose bytes are prefetched while it computes (gemm_tile.h's walker). A step is a group of up to
+ * GROUP_ROWS rows side by side with one adapter and rank (the engine orders a step's rows by adapter): each
+ * weight load serves all of them, as in the epilogue, where two such rows share each B line. Phase 1's share of the
  * columns follows A's share of the adapter bytes.
  * Every row is computed on its own: results never depend on the rest of the batch.
  */
@@ -18,7 +20,7 @@
 #include <omp.h>
 #include <stdlib.h>
 
-#include "gemm_tile.h"
+#include "gemm_avx512bf16.c"   /* gemm_for: a call with no adapter row is the plain GEMM */
 #include "lora_avx512bf16.h"
 
 #define MAX_GROUPS 3
@@ -31,6 +33,8 @@ typedef struct {
     int M, K, N, nblocks, mblocks, mc;
     const int64_t *rows;      /* the rows with an adapter */
     int nrows;
+    const int *group;         /* [ngroups + 1]: rows[group[i], group[i + 1]) share slot and rank (row_groups) */
+    int ngroups;              /* the memory-bound steps of each phase: one a group */
     const uint16_t *const *a; /* [S] each slot's A */
     lora_args l;
     uint32_t *vp;
@@ -66,20 +70,33 @@ static void run_tile(const job *j, int c0, int c1, int task, const lora_args *l,
     }
 }
 
-/* phase 1's step i: the shrink of row rows[i] */
+/* phase 1's step i: the shrinks of group i's rows (their adapter's A read once for all of them) */
 static void shrink_step(const job *j, int i, walker *w, int fetch) {
-    const int64_t t = j->rows[i], s = j->l.slot[t];
+    const int first = j->group[i], nt = j->group[i + 1] - first;
+    const int64_t t = j->rows[first], s = j->l.slot[t];
     const uint16_t *as = j->a[s];
     const int r = (int)j->l.rank[t], n = r * j->l.G;
     if (fetch) { walker_add(w, as, (int64_t)n * j->K * 2); return; }
-    float v[MAX_ROWS];
-    shrink_bf16(j->x + t * j->xs, as, n, j->K, v);
-    pair_v(v, r, j->l.G, j->vp + t * j->vp_stride);
+    if (nt == 1) {
+        float v[MAX_ROWS];
+        shrink_bf16(j->x + t * j->xs, as, n, j->K, v);
+        pair_v(v, r, j->l.G, j->vp + t * j->vp_stride);
+        return;
+    }
+    float v[GROUP_ROWS][MAX_ROWS], *vs[GROUP_ROWS];
+    const uint16_t *xs[GROUP_ROWS] = {0};
+    for (int q = 0; q < nt; q++) {
+        xs[q] = j->x + j->rows[first + q] * j->xs;
+        vs[q] = v[q];
+    }
+    shrink_rows_bf16(xs, nt, as, n, j->K, vs);
+    for (int q = 0; q < nt; q++) pair_v(v[q], r, j->l.G, j->vp + j->rows[first + q] * j->vp_stride);
 }
 
-/* phase 2's step i: row rows[i]'s expand over the columns of phase 1, [0, split * NB) */
+/* phase 2's step i: group i's rows' expand over the columns of phase 1, [0, split * NB) */
 static void expand_step(const job *j, int i, walker *w, int fetch) {
-    const int64_t t = j->rows[i], s = j->l.slot[t];
+    const int first = j->group[i], nt = j->group[i + 1] - first;
+    const int64_t t = j->rows[first], s = j->l.slot[t];
     const int r = (int)j->l.rank[t];
     const int64_t end = (int64_t)j->split * NB < j->N ? (int64_t)j->split * NB : j->N;
     int64_t start = 0;
@@ -88,8 +105,16 @@ static void expand_step(const job *j, int i, walker *w, int fetch) {
         const uint16_t *b = j->l.b[s * j->l.G + g];
         if (fetch) {
             for (int k = 0; k < r; k += 2) walker_add(w, b + k * o, n * 4);
-        } else {
+        } else if (nt == 1) {
             expand_pairs_bf16(b, n, o, r, j->vp + t * j->vp_stride + g, j->l.G, j->y + t * j->ys + start);
+        } else {
+            const uint32_t *vps[GROUP_ROWS];
+            uint16_t *ys[GROUP_ROWS];
+            for (int q = 0; q < nt; q++) {
+                vps[q] = j->vp + j->rows[first + q] * j->vp_stride + g;
+                ys[q] = j->y + j->rows[first + q] * j->ys + start;
+            }
+            expand_rows_bf16(b, n, o, r, vps, j->l.G, ys, nt);
         }
         start += o;
     }
@@ -104,12 +129,12 @@ typedef void (*step_fn)(const job *, int, walker *, int);
 static void phase(const job *j, int c0, int c1, const lora_args *l, step_fn step, walker *w) {
     const int tasks = tile_count(j, c0, c1), nth = omp_get_num_threads(), tid = omp_get_thread_num();
     if (tasks == 0) {
-        for (int i = j->nrows * tid / nth; i < j->nrows * (tid + 1) / nth; i++) step(j, i, w, 0);
+        for (int i = j->ngroups * tid / nth; i < j->ngroups * (tid + 1) / nth; i++) step(j, i, w, 0);
         return;
     }
     const int64_t rounds = (j->K / 2 + PF_EVERY - 1) / PF_EVERY;   /* walker calls in a tile */
     for (int task = tasks * tid / nth; task < tasks * (tid + 1) / nth; task++) {
-        const int s0 = (int)((int64_t)j->nrows * task / tasks), s1 = (int)((int64_t)j->nrows * (task + 1) / tasks);
+        const int s0 = (int)((int64_t)j->ngroups * task / tasks), s1 = (int)((int64_t)j->ngroups * (task + 1) / tasks);
         walker_reset(w);
         for (int i = s0; i < s1; i++) step(j, i, w, 1);
         w->per_step = (int)((walker_lines(w) + rounds - 1) / rounds) + 1;
@@ -142,10 +167,23 @@ static int adapter_rows(const int64_t *slot, const int64_t *rank, int M, int R, 
     return n;
 }
 
+/* group[0, n] (returns n): rows[group[i], group[i + 1]) are consecutive rows of one slot and rank, at most
+ * GROUP_ROWS (the engine orders a step's rows by adapter, so requests sharing one sit side by side) */
+static int row_groups(const int64_t *rows, int nrows, const int64_t *slot, const int64_t *rank, int *group) {
+    int n = 0;
+    for (int i = 0; i < nrows; i++) {
+        const int64_t t = rows[i];
+        if (i == 0 || i - group[n - 1] >= GROUP_ROWS || slot[t] != slot[rows[i - 1]] || rank[t] != rank[rows[i - 1]])
+            group[n++] = i;
+    }
+    group[n] = nrows;
+    return n;
+}
+
 static job make_job(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y, int64_t ys, int M, int K, int N,
-                    const int64_t *rows, int nrows, const int64_t *slot, const int64_t *rank, const uint16_t *const *a, int G, const uint16_t *const *b,
+                    const int64_t *rows, int nrows, const int *group, int ngroups, const int64_t *slot, const int64_t *rank, const uint16_t *const *a, int G, const uint16_t *const *b,
                     const int64_t *out, uint32_t *vp, int64_t vp_stride) {
-    job j = {x, p, y, xs, ys, M, K, N, (N + NB - 1) / NB, (M + MC - 1) / MC, 0, rows, nrows, a,
+    job j = {x, p, y, xs, ys, M, K, N, (N + NB - 1) / NB, (M + MC - 1) / MC, 0, rows, nrows, group, ngroups, a,
              {slot, rank, vp, vp_stride, G, b, out}, vp, vp_stride, 0};
     j.mc = ((M + j.mblocks - 1) / j.mblocks + MR - 1) / MR * MR;
     /* phase 1 gets A's share of the adapters' bytes in columns (at least one block, when there are two) */
@@ -175,10 +213,19 @@ int gemm_lora_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y
     if (bad) return bad;
     if (M <= 0) return 0;
     int64_t *rows = (int64_t *)malloc(sizeof(int64_t) * M);
-    if (!rows) return -4;
+    int *group = (int *)malloc(sizeof(int) * (M + 1));
+    if (!rows || !group) { free(rows); free(group); return -4; }
     const int nrows = adapter_rows(slot, rank, M, R, rows);
-    if (nrows < 0) { free(rows); return nrows; }
-    const job j = make_job(x, xs, p, y, ys, M, K, N, rows, nrows, slot, rank, a, G, b,
+    if (nrows < 0) { free(rows); free(group); return nrows; }
+    if (nrows == 0) {                  /* no row with an adapter: the plain GEMM (as decoder.c's project) */
+        free(rows);
+        free(group);
+#pragma omp parallel
+        gemm_for(x, xs, p, y, ys, M, K, N);
+        return 0;
+    }
+    const int ngroups = row_groups(rows, nrows, slot, rank, group);
+    const job j = make_job(x, xs, p, y, ys, M, K, N, rows, nrows, group, ngroups, slot, rank, a, G, b,
                            out, vp, vp_stride);
     int failed = 0;
 #pragma omp parallel
@@ -193,5 +240,6 @@ int gemm_lora_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y
         free(w);
     }
     free(rows);
+    free(group);
     return failed ? -4 : 0;
 }

@@ -57,16 +57,72 @@ static inline const uint16_t *pair_base(const lora_args *l, const col_map *cm, i
     return l->b[s * l->G + g] + 2 * (int64_t)cm->off[j];
 }
 
+/* lora_epilogue's sums for a tile whose NV vectors are one output's consecutive columns: row acc (and, with
+ * two, the next row, whose v pairs are at vp1, of the same adapter and rank) <- bf16(acc) + its delta; each
+ * row's chains are the per-vector loop's, so its bits are too. */
+static inline void epilogue_rows(const lora_args *l, const col_map *cm, int64_t s, int P, const uint32_t *vp0,
+                                 const uint32_t *vp1, float *acc, int two) {
+    const int g = cm->g[0], G = l->G;
+    const int64_t step = 2 * l->out[g];
+    const uint16_t *bp = pair_base(l, cm, s, 0);
+    const uint32_t *v0g = vp0 + g, *v1g = vp1 + g;
+    __m512 a0[2][NV], a1[2][NV];
+    for (int q = 0; q < 2; q++)
+        for (int j = 0; j < NV; j++) a0[q][j] = a1[q][j] = _mm512_setzero_ps();
+    int kk = 0;
+    for (; kk + 2 <= P; kk += 2, bp += 2 * step) {
+        __m512bh e[NV], o[NV];
+        for (int j = 0; j < NV; j++) {
+            e[j] = (__m512bh)_mm512_loadu_si512(bp + 32 * j);
+            o[j] = (__m512bh)_mm512_loadu_si512(bp + step + 32 * j);
+        }
+        for (int q = 0; q < 2; q++) {
+            if (q && !two) break;
+            const uint32_t *vg = q ? v1g : v0g;
+            const __m512bh ve = (__m512bh)_mm512_set1_epi32((int)vg[kk * G]);
+            const __m512bh vo = (__m512bh)_mm512_set1_epi32((int)vg[(kk + 1) * G]);
+            for (int j = 0; j < NV; j++) {
+                a0[q][j] = _mm512_dpbf16_ps(a0[q][j], e[j], ve);
+                a1[q][j] = _mm512_dpbf16_ps(a1[q][j], o[j], vo);
+            }
+        }
+    }
+    if (kk < P)
+        for (int q = 0; q < 2; q++) {
+            if (q && !two) break;
+            const __m512bh ve = (__m512bh)_mm512_set1_epi32((int)(q ? v1g : v0g)[kk * G]);
+            for (int j = 0; j < NV; j++)
+                a0[q][j] = _mm512_dpbf16_ps(a0[q][j], (__m512bh)_mm512_loadu_si512(bp + 32 * j), ve);
+        }
+    for (int q = 0; q < 2; q++) {
+        if (q && !two) break;
+        for (int j = 0; j < NV; j++) {
+            float *c = acc + q * NB + 16 * j;
+            const __m512 base = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(_mm512_loadu_ps(c)));
+            _mm512_storeu_ps(c, _mm512_add_ps(base, _mm512_add_ps(a0[q][j], a1[q][j])));
+        }
+    }
+}
+
 /* acc rows [0, mr) x columns [c0, c0 + ncols) (fp32, row stride NB) <- bf16(acc) + the LoRA deltas of those
  * rows, on vdpbf16ps (one instruction adds two ranks into 16 columns): the base rounded first and the
  * delta summed in lora_avx512bf16.h's order (expand_pairs_bf16), so the tile's final rounding gives the bits of
  * the GEMM followed by a separate LoRA kernel. */
 static inline void lora_epilogue(const lora_args *l, const col_map *cm, int64_t m, int mr, int ncols, float *acc) {
+    int one_output = ncols == NB;           /* the tile's columns all of one output: vectors side by side */
+    for (int j = 1; j < NV; j++) one_output &= cm->g[j] == cm->g[0];
     for (int r = 0; r < mr; r++) {
         const int64_t s = l->slot[m + r];
         if (s < 0) continue;
         const int P = ((int)l->rank[m + r] + 1) / 2, G = l->G;
         const uint32_t *vp = l->vp + (m + r) * l->vp_stride;
+        if (one_output) {   /* the same sums, the NV vectors' chains interleaved (each v pair broadcast once), two
+                             * rows at a time where they share an adapter (each B line loaded once for both) */
+            const int two = r + 1 < mr && l->slot[m + r + 1] == s && l->rank[m + r + 1] == l->rank[m + r];
+            epilogue_rows(l, cm, s, P, vp, two ? vp + l->vp_stride : vp, acc + r * NB, two);
+            r += two;       /* the next row shares this one's adapter: each B line loaded serves both */
+            continue;
+        }
         for (int j = 0; 16 * j < ncols; j++) {
             const int g = cm->g[j];
             const int64_t step = 2 * l->out[g];
@@ -99,7 +155,8 @@ static inline void prefetch_init(lora_prefetch *pf, const lora_args *l, const co
     pf->nv = (ncols + 15) / 16;
     for (int r = 0; r < mr; r++) {
         const int64_t s = l->slot[m + r];
-        pf->pairs[r] = s < 0 ? 0 : ((int)l->rank[m + r] + 1) / 2;
+        const int again = r > 0 && s == l->slot[m + r - 1] && l->rank[m + r] == l->rank[m + r - 1];
+        pf->pairs[r] = s < 0 || again ? 0 : ((int)l->rank[m + r] + 1) / 2;   /* its B lines: the row before's */
         for (int j = 0; j < pf->nv; j++) {
             pf->base[r][j] = (const char *)pair_base(l, cm, s < 0 ? 0 : s, j);
             pf->stride[r][j] = l->out[cm->g[j]] * 4;

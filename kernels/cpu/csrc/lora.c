@@ -161,31 +161,8 @@ int lora_decode_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y
  * serves 4 tokens: shrink in 4 tokens x 4 rows dot-product tiles (vdpbf16ps, reduced 16 at a time),
  * expand in 4 tokens x 32 columns register tiles (vdpbf16ps over the paired B layout); the arguments
  * are lora_segments_bf16's (at the end of this file). */
-#define TT 4
+#define TT GROUP_ROWS   /* tokens a tile (lora_avx512bf16.h: shrink_rows_bf16 takes that many) */
 
-
-/* v[tt][row] = A[row] . x[tt] for rows < rows, tt < TT (x rows past the real tokens repeat one) */
-static void shrink_tile_bf16(const uint16_t *const *xs, const uint16_t *as, int rows, int in,
-                             float v[TT][MAX_RANK_ROWS]) {
-    for (int row = 0; row < rows; row += 4) {
-        const uint16_t *ar[4];
-        for (int q = 0; q < 4; q++) ar[q] = as + (int64_t)(row + q < rows ? row + q : rows - 1) * in;
-        __m512 acc[16];
-        for (int q = 0; q < 16; q++) acc[q] = _mm512_setzero_ps();
-        for (int j = 0; j < in; j += 32) {
-            const __mmask32 m = mask32(in - j);
-            __m512bh xv[TT], av[4];
-            for (int tt = 0; tt < TT; tt++) xv[tt] = (__m512bh)_mm512_maskz_loadu_epi16(m, xs[tt] + j);
-            for (int q = 0; q < 4; q++) av[q] = (__m512bh)_mm512_maskz_loadu_epi16(m, ar[q] + j);
-            for (int tt = 0; tt < TT; tt++)
-                for (int q = 0; q < 4; q++) acc[tt * 4 + q] = _mm512_dpbf16_ps(acc[tt * 4 + q], av[q], xv[tt]);
-        }
-        float sums[16];
-        _mm512_storeu_ps(sums, sum16(acc));
-        for (int tt = 0; tt < TT; tt++)
-            for (int q = 0; q < 4 && row + q < rows; q++) v[tt][row + q] = sums[tt * 4 + q];
-    }
-}
 
 /* y[tt][0, o) += sum_k v[tt][k] * Bt[k] for tt < nt (bs paired, vp[tt] pairs at step G, output g) */
 static void expand_tile_bf16(const uint16_t *bs, int64_t o, int r, uint32_t vp[TT][MAX_RANK_ROWS], int g, int G,
@@ -241,7 +218,8 @@ static void segment_tiles(const uint16_t *x, int64_t x_stride, uint16_t *y, int6
         }
         float v[TT][MAX_RANK_ROWS];
         uint32_t vp[TT][MAX_RANK_ROWS];
-        shrink_tile_bf16(xs, as, r * G, in, v);
+        float *vs[TT] = {v[0], v[1], v[2], v[3]};
+        shrink_rows_bf16(xs, TT, as, r * G, in, vs);   /* (x rows past the real tokens repeat one) */
         for (int tt = 0; tt < TT; tt++) pair_v(v[tt], r, G, vp[tt]);
         int64_t col = 0;
         for (int g = 0; g < G; g++) {

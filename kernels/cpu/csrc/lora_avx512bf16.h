@@ -100,3 +100,79 @@ static inline void expand_pairs_bf16(const uint16_t *bs, int64_t o, int64_t stri
         if (y1) _mm256_mask_storeu_epi16(yt + j + 16, y1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a1, _mm512_add_ps(d0, d1))));
     }
 }
+
+/* Rows of one adapter (the same A, B and rank) computed together, each weight load serving all of them: the
+ * GEMM's decode rows of an adapter several requests share. Every row gets exactly the bits shrink_bf16 and
+ * expand_pairs_bf16 give it alone (the same chains in the same order; sum16 sums every vector alike). */
+#define GROUP_ROWS 4
+
+/* v[t][row] = A[row] . x_t for t < nt (1 <= nt <= GROUP_ROWS), row < rows; 4 tokens x 4 rows per pass */
+static inline void shrink_rows_bf16(const uint16_t *const *xs, int nt, const uint16_t *as, int rows, int in,
+                                    float *const *v) {
+    const uint16_t *xt[GROUP_ROWS];
+    for (int t = 0; t < GROUP_ROWS; t++) xt[t] = xs[t < nt ? t : nt - 1];
+    for (int row = 0; row < rows; row += 4) {
+        const uint16_t *ar[4];
+        for (int q = 0; q < 4; q++) ar[q] = as + (int64_t)(row + q < rows ? row + q : rows - 1) * in;
+        __m512 d[16];
+        for (int q = 0; q < 16; q++) d[q] = _mm512_setzero_ps();
+        for (int j = 0; j < in; j += 32) {
+            const __mmask32 m = mask32(in - j);
+            __m512bh xv[GROUP_ROWS], av[4];
+            for (int t = 0; t < GROUP_ROWS; t++) xv[t] = (__m512bh)_mm512_maskz_loadu_epi16(m, xt[t] + j);
+            for (int q = 0; q < 4; q++) av[q] = (__m512bh)_mm512_maskz_loadu_epi16(m, ar[q] + j);
+            for (int t = 0; t < GROUP_ROWS; t++)
+                for (int q = 0; q < 4; q++) d[t * 4 + q] = _mm512_dpbf16_ps(d[t * 4 + q], av[q], xv[t]);
+        }
+        float sums[16];
+        _mm512_storeu_ps(sums, sum16(d));
+        for (int t = 0; t < nt; t++)
+            for (int q = 0; q < 4 && row + q < rows; q++) v[t][row + q] = sums[t * 4 + q];
+    }
+}
+
+/* y_t[0, o) += sum_k v_t,k * Bt[k] for t < nt: expand_pairs_bf16 for rows sharing Bt (bs, stride as there;
+ * vps[t]: row t's pairs at step G) */
+static inline void expand_rows_bf16(const uint16_t *bs, int64_t o, int64_t stride, int r, const uint32_t *const *vps,
+                                    int G, uint16_t *const *ys, int nt) {
+    const int P = (r + 1) / 2;
+    for (int64_t j = 0; j < o; j += 32) {
+        const __mmask32 m0 = pair_mask(o - j), m1 = pair_mask(o - j - 16);
+        __m512 e0[GROUP_ROWS], e1[GROUP_ROWS], d0[GROUP_ROWS], d1[GROUP_ROWS];
+        for (int t = 0; t < GROUP_ROWS; t++) e0[t] = e1[t] = d0[t] = d1[t] = _mm512_setzero_ps();
+        const uint16_t *bp = bs + 2 * j;
+        int kk = 0;
+        for (; kk + 2 <= P; kk += 2, bp += 4 * stride) {
+            const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(m0, bp), w1 = (__m512bh)_mm512_maskz_loadu_epi16(m1, bp + 32);
+            const __m512bh u0 = (__m512bh)_mm512_maskz_loadu_epi16(m0, bp + 2 * stride);
+            const __m512bh u1 = (__m512bh)_mm512_maskz_loadu_epi16(m1, bp + 2 * stride + 32);
+            for (int t = 0; t < GROUP_ROWS; t++) {
+                if (t >= nt) break;
+                const __m512bh v0 = (__m512bh)_mm512_set1_epi32((int)vps[t][kk * G]);
+                const __m512bh v1 = (__m512bh)_mm512_set1_epi32((int)vps[t][(kk + 1) * G]);
+                e0[t] = _mm512_dpbf16_ps(e0[t], w0, v0);
+                d0[t] = _mm512_dpbf16_ps(d0[t], w1, v0);
+                e1[t] = _mm512_dpbf16_ps(e1[t], u0, v1);
+                d1[t] = _mm512_dpbf16_ps(d1[t], u1, v1);
+            }
+        }
+        if (kk < P) {
+            const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(m0, bp), w1 = (__m512bh)_mm512_maskz_loadu_epi16(m1, bp + 32);
+            for (int t = 0; t < GROUP_ROWS; t++) {
+                if (t >= nt) break;
+                const __m512bh v0 = (__m512bh)_mm512_set1_epi32((int)vps[t][kk * G]);
+                e0[t] = _mm512_dpbf16_ps(e0[t], w0, v0);
+                d0[t] = _mm512_dpbf16_ps(d0[t], w1, v0);
+            }
+        }
+        const __mmask16 y0 = mask16(o - j), y1 = mask16(o - j - 16);
+        for (int t = 0; t < GROUP_ROWS; t++) {
+            if (t >= nt) break;
+            uint16_t *yt = ys[t];
+            const __m512 a0 = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(y0, yt + j));
+            const __m512 a1 = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(y1, yt + j + 16));
+            _mm256_mask_storeu_epi16(yt + j, y0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a0, _mm512_add_ps(e0[t], e1[t]))));
+            if (y1) _mm256_mask_storeu_epi16(yt + j + 16, y1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a1, _mm512_add_ps(d0[t], d1[t]))));
+        }
+    }
+}

@@ -116,3 +116,25 @@ def test_a_token_gets_the_same_bits_on_every_lora_path(slots, rank, n_in, outs, 
         c_lora.LoraSegments(toks, starts, seg_slots, same_rank, torch.bfloat16)(x, grouped, weights)
         full = lin(x, c_lora.LoraRows(toks, row_slots[order], torch.full_like(toks, rank), m)(weights))
         assert torch.equal(grouped, full)
+
+
+@pytest.mark.parametrize("n_in,outs", [(576, [576, 192, 192]), (1536, [576]), (96, [32, 16, 16])])
+def test_rows_sharing_an_adapter_get_the_bits_each_gets_alone(n_in, outs):
+    """Rows side by side on one adapter and rank (the engine orders a step's rows by adapter) are computed
+    together, each weight load serving up to four of them: every row still gets the bits of the decode
+    kernel and of the row alone. Runs of 9 (4 + 4 + 1), 2, 1, 5, 6 rows, and a run of one slot whose rank
+    changes (two groups)."""
+    a, bs, w, x, *_ = case(4, 16, n_in, outs, 27, seed=7)
+    slots = [0] * 9 + [1] * 2 + [2] + [3] * 5 + [0] * 6 + [1] * 4
+    rank_of = {0: 16, 1: 7, 2: 3, 3: 12}
+    ranks = [rank_of[s] for s in slots[:-2]] + [5, 5]
+    tokens, row_slots, row_ranks = torch.arange(len(slots)), torch.tensor(slots), torch.tensor(ranks)
+    weights, lin = c_lora.Weights.of(a, bs), gemm.Gemm(w)
+    fused = lin(x, c_lora.LoraRows(tokens, row_slots, row_ranks, len(slots))(weights))
+    per_token = lin(x)
+    c_lora.LoraDecode(tokens, row_slots, row_ranks, torch.bfloat16)(x, per_token, weights)
+    assert torch.equal(fused, per_token)
+    for t in (0, 3, 8, 10, 13, 20, 26):
+        alone = lin(x[t:t + 1], c_lora.LoraRows(torch.tensor([0]), row_slots[t:t + 1], row_ranks[t:t + 1], 1)(weights))
+        assert torch.equal(alone[0], fused[t])
+    assert not torch.equal(fused, lin(x))
