@@ -5,6 +5,8 @@ alternated in one run:
 - plain: the base GEMM alone;
 - no rows: the LoRA path with no row holding an adapter (its fixed cost: scheduling, prefetch bookkeeping);
 - one adapter: every row on one rank-16 adapter (the LoRA's arithmetic; its bytes stay in cache);
+- zipf: bench_peft's Zipf(1.2) picks over the 64 (26 distinct, the rows ordered by adapter as the engine
+  orders them, so rows sharing one sit side by side);
 - distinct: each row its own adapter, ranks 8 / 16 / 32 (arithmetic and the adapters' bytes, as
   bench_peft's uniform workload).
 On AVX512-BF16 the GEMM adds the rows' LoRA itself (gemm_lora_avx512bf16.c); elsewhere the decode kernel
@@ -16,10 +18,12 @@ Usage: python -m bench.bench_gemm_lora [--layers 30] [--rows 64] [--repeats 15]
 from __future__ import annotations
 
 import argparse
+import random
 import time
 
 import torch
 
+from bench.bench_serving import zipf_picks
 from bench.output import write
 from kernels.cpu import gemm as c_gemm
 from kernels.cpu import lora as c_lora
@@ -27,7 +31,7 @@ from kernels.cpu import lora as c_lora
 HIDDEN, INTER, Q, KV = 576, 1536, 576, 192        # the default model (SmolLM2-135M)
 GROUPS = [(HIDDEN, [Q, KV, KV]), (Q, [HIDDEN]), (HIDDEN, [INTER, INTER]), (INTER, [HIDDEN])]
 RANKS = (8, 16, 32)
-SIDES = ("plain", "no rows", "one adapter", "distinct")
+SIDES = ("plain", "no rows", "one adapter", "zipf", "distinct")
 
 
 class Group:
@@ -72,7 +76,9 @@ class Rows:
 def sides(rows: int) -> dict:
     one = [1] * rows                                              # slot 1: rank 16
     every = list(range(rows))
+    zipf = sorted(zipf_picks(rows, rows, 1.2, random.Random(0)))  # as bench_peft draws them
     return {"plain": None, "no rows": Rows([], [], rows), "one adapter": Rows(one, [RANKS[1]] * rows, rows),
+            "zipf": Rows(zipf, [RANKS[s % len(RANKS)] for s in zipf], rows),
             "distinct": Rows(every, [RANKS[s % len(RANKS)] for s in every], rows)}
 
 
@@ -132,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     def plot(ax):
         names = list(SIDES)
-        ax.bar(names, [best[n] for n in names], color=["grey", "tab:blue", "tab:orange", "tab:red"])
+        ax.bar(names, [best[n] for n in names], color=["grey", "tab:blue", "tab:orange", "tab:purple", "tab:red"])
         ax.axhline(best["plain"] * (1 + lora_macs / base_macs), color="k", ls=":",
                    label="plain + one adapter's multiply-adds at the GEMM's rate")
         ax.axhline(best["plain"] + read_ms, color="tab:red", ls="--",
