@@ -8,7 +8,8 @@ from tests.conftest import assert_pool_idle
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM()
+    with LLM() as llm:
+        yield llm
 
 
 def test_chat_answers_paris(llm):

@@ -12,8 +12,9 @@ PAGE_FP32 = 30 * 2 * 16 * 3 * 64 * 4   # bytes of one KV page of the default mod
 def small_llm():
     # 40 pages of 16 tokens: too few for all prompts at once, so some requests are preempted;
     # a 64-token prefill chunk, so the long prompt is computed in several chunks.
-    return LLM(dtype="float32", long_prefill_token_threshold=64, max_num_batched_tokens=160,
-               kv_cache_memory_bytes=40 * PAGE_FP32)
+    with LLM(dtype="float32", long_prefill_token_threshold=64, max_num_batched_tokens=160,
+             kv_cache_memory_bytes=40 * PAGE_FP32) as llm:
+        yield llm
 
 
 def test_greedy_matches_transformers_with_chunks_and_preemption(small_llm, hf_model, tokenizer):

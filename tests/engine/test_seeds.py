@@ -18,7 +18,8 @@ SEEDED = [SamplingParams(temperature=1.0, top_p=0.95, seed=11 + i, max_tokens=16
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM()
+    with LLM() as llm:
+        yield llm
 
 
 def run_to_end(llm, reqs: list[GenerateRequest]) -> dict[str, list[int]]:

@@ -14,7 +14,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM()
+    with LLM() as llm:
+        yield llm
 
 
 def poison(llm, after_tokens: int):

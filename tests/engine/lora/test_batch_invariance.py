@@ -20,7 +20,8 @@ def llm(adapter_dir, request):
               kv_cache_memory_bytes=44 * page)
     for name in FIDELITY_ADAPTERS:
         llm.register_adapter(name, str(d / name))
-    return llm
+    with llm:
+        yield llm
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -16,7 +16,8 @@ def llm(adapter_dir):
     llm = LLM(dtype="float32", max_loras=4, max_lora_rank=64, max_num_batched_tokens=256)
     for name in FIDELITY_ADAPTERS:
         llm.register_adapter(name, str(d / name))
-    return llm
+    with llm:
+        yield llm
 
 
 def peft_greedy(oracle, name, ids, n):

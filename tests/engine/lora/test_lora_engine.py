@@ -19,7 +19,8 @@ def llm(adapter_dir):
     llm = LLM(dtype="float32", max_loras=2, max_num_batched_tokens=256)
     for name in FIDELITY_ADAPTERS:
         llm.register_adapter(name, str(d / name))
-    return llm
+    with llm:
+        yield llm
 
 
 def test_unknown_adapter_is_refused_and_engine_keeps_serving(llm):
