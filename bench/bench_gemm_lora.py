@@ -3,7 +3,8 @@ a decode step's GEMMs (the default model's 30 layers x 4 fused groups: qkv, o, g
 layer with its own weights and its own adapters (so they stream from memory as in the engine), four sides
 alternated in one run:
 - plain: the base GEMM alone;
-- no rows: the LoRA path with no row holding an adapter (its fixed cost: scheduling, prefetch bookkeeping);
+- no rows: the LoRA call with no row holding an adapter (it runs the plain GEMM, as the engine's decoder
+  does: what is left is the call's own cost);
 - one adapter: every row on one rank-16 adapter (the LoRA's arithmetic; its bytes stay in cache);
 - zipf: bench_peft's Zipf(1.2) picks over the 64 (26 distinct, the rows ordered by adapter as the engine
   orders them, so rows sharing one sit side by side);

@@ -164,40 +164,6 @@ int lora_decode_bf16(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y
 #define TT GROUP_ROWS   /* tokens a tile (lora_avx512bf16.h: shrink_rows_bf16 takes that many) */
 
 
-/* y[tt][0, o) += sum_k v[tt][k] * Bt[k] for tt < nt (bs paired, vp[tt] pairs at step G, output g) */
-static void expand_tile_bf16(const uint16_t *bs, int64_t o, int r, uint32_t vp[TT][MAX_RANK_ROWS], int g, int G,
-                             uint16_t *const *ys, int nt) {
-    const int P = (r + 1) / 2;
-    for (int64_t j = 0; j < o; j += 32) {
-        const __mmask32 m0 = pair_mask(o - j), m1 = pair_mask(o - j - 16);
-        __m512 e[2][TT], d[2][TT];   /* [even / odd rank pair]: expand_pairs_bf16's two chains */
-#pragma GCC unroll 4
-        for (int tt = 0; tt < TT; tt++) e[0][tt] = d[0][tt] = e[1][tt] = d[1][tt] = _mm512_setzero_ps();
-        const uint16_t *bp = bs + 2 * j;
-        for (int kk = 0; kk < P; kk++, bp += 2 * o) {
-            _mm_prefetch((const char *)(bp + 4 * o), _MM_HINT_T0);      /* two pair rows ahead */
-            const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(m0, bp), w1 = (__m512bh)_mm512_maskz_loadu_epi16(m1, bp + 32);
-            const int c = kk & 1;
-#pragma GCC unroll 4
-            for (int tt = 0; tt < TT; tt++) {
-                const __m512bh vk = (__m512bh)_mm512_set1_epi32((int)vp[tt][kk * G + g]);
-                e[c][tt] = _mm512_dpbf16_ps(e[c][tt], w0, vk);
-                d[c][tt] = _mm512_dpbf16_ps(d[c][tt], w1, vk);
-            }
-        }
-        const __mmask16 y0 = mask16(o - j), y1 = mask16(o - j - 16);
-#pragma GCC unroll 4
-        for (int tt = 0; tt < TT; tt++) {     /* constant trip count: e, d stay in registers */
-            if (tt >= nt) break;
-            uint16_t *yt = ys[tt] + j;
-            const __m512 a0 = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(y0, yt));
-            const __m512 a1 = _mm512_cvtpbh_ps((__m256bh)_mm256_maskz_loadu_epi16(y1, yt + 16));
-            _mm256_mask_storeu_epi16(yt, y0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a0, _mm512_add_ps(e[0][tt], e[1][tt]))));
-            _mm256_mask_storeu_epi16(yt + 16, y1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(a1, _mm512_add_ps(d[0][tt], d[1][tt]))));
-        }
-    }
-}
-
 /* Tokens [first, first + nt) of segment i on vdpbf16ps, TT at a time (a token alone: the decode kernel's
  * loop, the same bits without a padded tile). */
 static void segment_tiles(const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t y_stride, const int64_t *tok,
@@ -225,7 +191,9 @@ static void segment_tiles(const uint16_t *x, int64_t x_stride, uint16_t *y, int6
         for (int g = 0; g < G; g++) {
             uint16_t *yg[TT];
             for (int tt = 0; tt < TT; tt++) yg[tt] = ys[tt] + col;
-            expand_tile_bf16(bs[g], out[g], r, vp, g, G, yg, nt);
+            const uint32_t *vps[TT];
+            for (int tt = 0; tt < TT; tt++) vps[tt] = vp[tt] + g;
+            expand_rows_bf16(bs[g], out[g], out[g], r, vps, G, yg, nt);
             col += out[g];
         }
     }

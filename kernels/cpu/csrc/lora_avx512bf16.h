@@ -132,7 +132,8 @@ static inline void shrink_rows_bf16(const uint16_t *const *xs, int nt, const uin
 }
 
 /* y_t[0, o) += sum_k v_t,k * Bt[k] for t < nt: expand_pairs_bf16 for rows sharing Bt (bs, stride as there;
- * vps[t]: row t's pairs at step G) */
+ * vps[t]: row t's pairs at step G), each B line loaded once for all of them (the GEMM's decode rows of one
+ * adapter; the segment kernel's tokens) */
 static inline void expand_rows_bf16(const uint16_t *bs, int64_t o, int64_t stride, int r, const uint32_t *const *vps,
                                     int G, uint16_t *const *ys, int nt) {
     const int P = (r + 1) / 2;
@@ -143,6 +144,8 @@ static inline void expand_rows_bf16(const uint16_t *bs, int64_t o, int64_t strid
         const uint16_t *bp = bs + 2 * j;
         int kk = 0;
         for (; kk + 2 <= P; kk += 2, bp += 4 * stride) {
+            _mm_prefetch((const char *)(bp + 4 * stride), _MM_HINT_T0);     /* two pair rows ahead */
+            _mm_prefetch((const char *)(bp + 6 * stride), _MM_HINT_T0);
             const __m512bh w0 = (__m512bh)_mm512_maskz_loadu_epi16(m0, bp), w1 = (__m512bh)_mm512_maskz_loadu_epi16(m1, bp + 32);
             const __m512bh u0 = (__m512bh)_mm512_maskz_loadu_epi16(m0, bp + 2 * stride);
             const __m512bh u1 = (__m512bh)_mm512_maskz_loadu_epi16(m1, bp + 2 * stride + 32);
