@@ -114,7 +114,9 @@ def _pack_from_file(files: AdapterFiles, layout: PackedLayout, packer, flat: tor
     one call that no pace() can interrupt) and faster on two."""
     if files_signature(files.path) != files.signature:
         raise ValueError(f"adapter: {files.weights} changed on disk since it was registered")
-    with open(files.weights, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
+    with open(files.weights, "rb") as fh:
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
         if len(mm) != files.nbytes:
             raise ValueError(f"adapter: {files.weights} changed on disk since it was registered")
         view = ctypes.c_char.from_buffer(mm)
@@ -122,9 +124,20 @@ def _pack_from_file(files: AdapterFiles, layout: PackedLayout, packer, flat: tor
             bad = packer.pack_file(layout, files.where, ctypes.addressof(view), flat, pace, pages, helper)
         finally:
             del view
+    finally:
+        unmap(mm, helper)
     if bad is not None:
         (layer, module), name = bad
         raise ValueError(f"adapter: {module_path(layer, module)}.{name} holds NaN or infinite values (in {dtype})")
+
+
+def unmap(mm: mmap.mmap, helper: "Helper | None") -> None:
+    """Close a file's mapping; on `helper`'s thread when there is one, after the job (unmapping a 20 MB file
+    takes ~0.3 ms of page-table teardown here, which a load waiting for its pages need not wait for)."""
+    if helper is None:
+        mm.close()
+    else:
+        helper.submit(mm.close)
 
 
 class Helper:

@@ -150,18 +150,28 @@ static inline void put32(uint16_t *d, __m256i lo, __m256i hi) {
     _mm512_stream_si512((__m512i *)d, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
 }
 
-/* kind 0 from fp32: each rank's row of `cols` (a multiple of 32, rows 64-byte aligned) */
-static int f32_bf16_a_stream(const float *restrict src, const pack_piece *p, uint16_t *restrict out, uint32_t *bad) {
+/* 16 source values from element i as fp32 bits (exact: bf16 widened, fp16 converted) */
+static inline __m512i load16_bits(const uint8_t *src, int src_dtype, int64_t i) {
+    if (src_dtype == 0) return _mm512_loadu_si512(src + 4 * i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(src + 2 * i));
+    if (src_dtype == 1) return _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+    return _mm512_castps_si512(_mm512_cvtph_ps(h));
+}
+
+/* kind 0 from any source dtype: each rank's row of `cols` (a multiple of 32, rows 64-byte aligned) */
+static int a_stream_bf16(const uint8_t *restrict src, const pack_piece *p, uint16_t *restrict out, uint32_t *bad) {
     uint16_t *first = out + p->dst + (int64_t)p->g * p->cols;
     if (p->cols % 32 || ((uintptr_t)first | (uintptr_t)(p->G * p->cols * 2)) % 64) return 0;
+    const int64_t item = p->src_dtype == 0 ? 4 : 2;
     __mmask16 b = 0;
     for (int64_t k = 0; k < p->rows; k++) {
         uint16_t *d = out + p->dst + (k * p->G + p->g) * p->cols;
-        const float *s = src + k * p->cols;
+        const uint8_t *s = src + k * p->cols * item;
         for (int64_t j = 0; j < p->cols; j += 32) {
-            _mm_prefetch((const char *)(s + j + PF_AHEAD), _MM_HINT_T0);
-            _mm_prefetch((const char *)(s + j + PF_AHEAD + 16), _MM_HINT_T0);
-            put32(d + j, cvt16_bf16(_mm512_loadu_ps(s + j), &b), cvt16_bf16(_mm512_loadu_ps(s + j + 16), &b));
+            _mm_prefetch((const char *)(s + (j + PF_AHEAD) * item), _MM_HINT_T0);
+            _mm_prefetch((const char *)(s + (j + PF_AHEAD + 16) * item), _MM_HINT_T0);
+            put32(d + j, cvt16_bf16(_mm512_castsi512_ps(load16_bits(s, p->src_dtype, j)), &b),
+                  cvt16_bf16(_mm512_castsi512_ps(load16_bits(s, p->src_dtype, j + 16)), &b));
         }
     }
     *bad = b != 0;
@@ -191,33 +201,94 @@ static int f32_bf16_run_stream(const float *restrict src, const pack_piece *p, u
     return 1;
 }
 
-/* kind 2 from fp32, r even and <= 64, out a multiple of 16: JB rows of B (all r ranks: one contiguous run)
- * converted into a tile, whose adjacent rank pairs are 32-bit words; pair row q of the tile's JB rows is
- * then words q, q + r / 2, ... gathered 16 at a time and streamed (out * 4 bytes per pair row, 64-aligned) */
-static int f32_bf16_b_stream(const float *restrict src, const pack_piece *p, uint16_t *restrict out, uint32_t *bad) {
-    const int64_t n_out = p->rows, r = p->cols, P = r / 2;
+/* f32_to_bf16's rounding of 16 values, left in the high half of each 32-bit lane (the low half is junk):
+ * exact for every finite value and for infinity; a NaN may come out as another value (callers refuse NaN) */
+static inline __m512i round_hi(__m512i u) {
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb);
+}
+
+/* bf16(bf16(x) * scale) of 32 fp32 values (u0: the first 16, u1: the next), in order, for a finite scale: the
+ * bits of cvt16_bf16's two conversions. bad collects the lanes whose first conversion is NaN or infinite
+ * (|x| at or above 0x7f7f8000 rounds to infinity); the values then do not matter (the piece fails). The
+ * product of a finite bf16 and a finite scale is never NaN, so round_hi is exact there. */
+static inline __m512i scaled32_bf16(__m512i u0, __m512i u1, __m512 scale, __mmask16 *bad) {
+    const __m512i mag = _mm512_set1_epi32(0x7fffffff), big = _mm512_set1_epi32(0x7f7f8000);
+    const __m512i hi = _mm512_set1_epi32((int)0xffff0000u);
+    *bad |= _mm512_cmpge_epu32_mask(_mm512_and_si512(u0, mag), big) | _mm512_cmpge_epu32_mask(_mm512_and_si512(u1, mag), big);
+    const __m512 v0 = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(round_hi(u0), hi)), scale);
+    const __m512 v1 = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_and_si512(round_hi(u1), hi)), scale);
+    const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+                                         31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    return _mm512_permutex2var_epi16(round_hi(_mm512_castps_si512(v0)), odd, round_hi(_mm512_castps_si512(v1)));
+}
+
+/* v[0, P): 16 rows of P 32-bit words, row-major (row i's word q at word i * P + q of the P vectors) ->
+ * v[q] = word q of rows 0..15, for P a power of two <= 32: log2(P) unzips (each moves the lowest bit
+ * of a word's index to the top: even words of a vector pair first, then odd ones) rotate the index
+ * (row, q) into (q, row) */
+static inline __attribute__((always_inline)) void transpose_rows16_p(__m512i *v, const int P) {
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+    __m512i t[32];
+    for (int s = 1; s < P; s *= 2) {
+        for (int k = 0; k < P / 2; k++) {
+            t[k] = _mm512_permutex2var_epi32(v[2 * k], even, v[2 * k + 1]);
+            t[P / 2 + k] = _mm512_permutex2var_epi32(v[2 * k], odd, v[2 * k + 1]);
+        }
+        for (int k = 0; k < P; k++) v[k] = t[k];
+    }
+}
+
+/* 16 rows' P pairs from `tile` (rows at stride P words) -> P lines of 16 pairs, streamed to d + q * stride
+ * (P a constant: the vectors stay in registers) */
+static inline __attribute__((always_inline)) void transpose_store(const uint32_t *tile, const int P, uint16_t *d,
+                                                                  int64_t stride) {
+    __m512i v[32];
+    for (int q = 0; q < P; q++) v[q] = _mm512_loadu_si512(tile + 16 * q);
+    transpose_rows16_p(v, P);
+    for (int q = 0; q < P; q++) _mm512_stream_si512((__m512i *)(d + q * stride), v[q]);
+}
+
+/* kind 2 from any source dtype, r even and <= 64, out a multiple of 16, a finite scale: JB rows of B (all r
+ * ranks: one contiguous run) converted 32 values at a time into a tile, whose adjacent rank pairs are 32-bit
+ * words; the tile's pair rows are then streamed (out * 4 bytes per pair row, 64-aligned): 16 rows at a time
+ * transposed in registers where r / 2 is a power of two, else gathered */
+static int b_stream_bf16(const uint8_t *restrict src, const pack_piece *p, uint16_t *restrict out, uint32_t *bad) {
+    const int64_t n_out = p->rows, r = p->cols, P = r / 2, item = p->src_dtype == 0 ? 4 : 2;
     uint16_t *first = out + p->dst;
-    if (p->kind != 2 || r % 2 || r > 64 || n_out % 16 || ((uintptr_t)first | (uintptr_t)(n_out * 4)) % 64) return 0;
-    const float scale = p->scale;
+    union { float f; uint32_t u; } sc = {p->scale};
+    if (p->kind != 2 || r % 2 || r > 64 || n_out % 16 || ((uintptr_t)first | (uintptr_t)(n_out * 4)) % 64 ||
+        (sc.u & 0x7f800000u) == 0x7f800000u) return 0;
+    const __m512 scale = _mm512_set1_ps(p->scale);
     uint32_t tile[JB * 32];
-    __mmask16 b = 0, unused = 0;
+    __mmask16 b = 0;
     const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                            _mm512_set1_epi32((int)P));
     for (int64_t j0 = 0; j0 < n_out; j0 += JB) {
-        const int64_t nj = j0 + JB < n_out ? JB : n_out - j0, n = nj * r;
-        const float *s = src + j0 * r;
+        const int64_t nj = j0 + JB < n_out ? JB : n_out - j0, n = nj * r;   /* n: a multiple of 32 */
+        const uint8_t *s = src + j0 * r * item;
         uint16_t *t16 = (uint16_t *)tile;
-        int64_t t = 0;
-        for (; t + 16 <= n; t += 16) {          /* bf16(bf16(B) * scale), as the scalar path */
-            _mm_prefetch((const char *)(s + t + PF_AHEAD), _MM_HINT_T0);
-            const __m256i h = cvt16_bf16(_mm512_loadu_ps(s + t), &b);
-            const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-            _mm256_storeu_si256((__m256i *)(t16 + t), cvt16_bf16(_mm512_mul_ps(v, _mm512_set1_ps(scale)), &unused));
+        for (int64_t t = 0; t < n; t += 32) {   /* bf16(bf16(B) * scale), as the scalar path */
+            _mm_prefetch((const char *)(s + (t + PF_AHEAD) * item), _MM_HINT_T0);
+            _mm_prefetch((const char *)(s + (t + PF_AHEAD + 16) * item), _MM_HINT_T0);
+            _mm512_storeu_si512(t16 + t, scaled32_bf16(load16_bits(s, p->src_dtype, t),
+                                                       load16_bits(s, p->src_dtype, t + 16), scale, &b));
         }
-        for (; t < n; t++) {
-            uint32_t bb = 0, uu = 0;
-            t16[t] = to_bf16(bf16_val(to_bf16(s[t], &bb)) * scale, &uu);
-            b |= bb != 0;
+        if (!(P & (P - 1))) {
+            for (int64_t j = 0; j < nj; j += 16) {
+                const uint32_t *tj = tile + j * P;
+                uint16_t *d = first + 2 * (j0 + j);
+                switch (P) {
+                case 1: transpose_store(tj, 1, d, 2 * n_out); break;
+                case 2: transpose_store(tj, 2, d, 2 * n_out); break;
+                case 4: transpose_store(tj, 4, d, 2 * n_out); break;
+                case 8: transpose_store(tj, 8, d, 2 * n_out); break;
+                case 16: transpose_store(tj, 16, d, 2 * n_out); break;
+                default: transpose_store(tj, 32, d, 2 * n_out); break;
+                }
+            }
+            continue;
         }
         for (int64_t q = 0; q < P; q++) {
             uint16_t *d = first + q * 2 * n_out + 2 * j0;
@@ -347,8 +418,8 @@ static uint32_t pack_piece_bf16(const uint8_t *src, const pack_piece *p, void *o
 #ifdef __AVX512BW__
     uint32_t bad = 0;
     if (p->src_dtype == 0 && p->kind == 0 && f32_bf16_run_stream((const float *)src, p, o, &bad)) return bad;
-    if (p->src_dtype == 0 && p->kind == 0 && f32_bf16_a_stream((const float *)src, p, o, &bad)) return bad;
-    if (p->src_dtype == 0 && p->kind == 2 && f32_bf16_b_stream((const float *)src, p, o, &bad)) return bad;
+    if (p->kind == 0 && a_stream_bf16(src, p, o, &bad)) return bad;
+    if (p->kind == 2 && b_stream_bf16(src, p, o, &bad)) return bad;
 #endif
 #ifdef __AVX2__
     uint32_t bad2 = 0;

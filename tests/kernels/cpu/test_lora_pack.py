@@ -1,13 +1,15 @@
 """The C packer reads an adapter straight from its safetensors file into the CPU kernels' layout with the
 bits of the torch path (GroupPacker.place), from float32, bfloat16 and float16 files, on one thread or two,
-and names the first tensor holding NaN or infinity. Ranks: 5 (odd: B's scalar path), 8 and 64 (float32 to
-bfloat16: AVX-512's streamed A and paired B where the CPU has it; on AVX2 without AVX512-BF16, float32 and
-bfloat16 files' B through the 8x8-transposing path), 70 (B's ranks in two column tiles)."""
+and names the first tensor holding NaN or infinity. Ranks: 5 (odd: B's scalar path), 2 to 64 (with AVX-512:
+A streamed and B paired from any file dtype, its pairs transposed in registers where r / 2 is a power of two,
+gathered for 6; on AVX2 without AVX512-BF16, float32 and bfloat16 files' B through the 8x8-transposing
+path), 70 (B's ranks in two column tiles)."""
 import ctypes
 import mmap
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -23,17 +25,31 @@ needs_c = pytest.mark.skipif(lora_pack._fn() is None, reason="no C compiler here
 PAGE = 32768
 
 
-def write(path, src_dtype, rank=5, poison=None):
+# float32 values at the edges of the rounding to bfloat16: halfway cases (to even, up and down), just past
+# halfway, subnormals (rounded, not flushed), the largest values that stay finite, and values that overflow
+# only once scaled (B is scaled after its conversion: a finite B times the scale may round to infinity)
+EDGE_BITS = [0x3F808000, 0x3F818000, 0x3F808001, 0xBF808000, 0x00000001, 0x80008000, 0x0000C000, 0x007FFFFF,
+             0x7F7F7FFF, 0xFF7F7FFF, 0x7F000000, 0x00800000]
+EDGES = torch.from_numpy(np.array(EDGE_BITS, dtype=np.uint32).view(np.float32))
+
+
+def write(path, src_dtype, rank=5, poison=None, edges=False, poison_bits=None, poison_value=None):
     g = torch.Generator().manual_seed(0)
     tensors, shapes = {}, {}
     for layer in range(2):
         for m, (n_in, n_out) in SHAPES.items():
-            scale = 0.25 + 0.5 * layer
+            scale = 0.25 + 0.5 * layer if not edges else 4.0
             a, b = torch.randn(rank, n_in, generator=g) * 3, torch.randn(n_out, rank, generator=g) * 3
+            if edges:
+                a.view(-1)[:len(EDGES)], b.view(-1)[-len(EDGES):] = EDGES, EDGES
             tensors[f"{layer}.{m}.A"], tensors[f"{layer}.{m}.B"] = a.to(src_dtype), b.to(src_dtype)
             shapes[(layer, m)] = (rank, n_in, n_out, scale)
     for name in [poison] if isinstance(poison, str) else poison or ():
         tensors[name][1, 2] = float("inf")
+    if poison_value:
+        tensors[poison_value[0]][1, 3] = poison_value[1]
+    for name, bits in (poison_bits or {}).items():      # float32 bit patterns: NaNs, values rounding to infinity
+        tensors[name].view(torch.int32)[1, 1] = torch.tensor(bits, dtype=torch.int64).to(torch.int32)
     save_file(tensors, str(path))
     header = read_header(path)
     where = {k: tuple((header[f"{k[0]}.{k[1]}.{x}"]["dtype"], header[f"{k[0]}.{k[1]}.{x}"]["start"],
@@ -75,10 +91,15 @@ def two_threads():
 @needs_c
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rank", [5, 8, 64, 70])
-def test_the_c_packer_gives_the_torch_paths_bits(tmp_path, dtype, src_dtype, rank, monkeypatch):
+@pytest.mark.parametrize("rank", [2, 5, 6, 8, 16, 32, 64, 70])
+@pytest.mark.parametrize("edges", [False, True])
+def test_the_c_packer_gives_the_torch_paths_bits(tmp_path, dtype, src_dtype, rank, edges, monkeypatch):
+    """Every rank path of B (paired ranks transposed in registers for 2 to 64 ranks a power of two, gathered for
+    6, scalar for odd ranks and above 64), with ordinary values and with the rounding's edge cases."""
+    if edges and src_dtype != torch.float32:
+        pytest.skip("the edge cases are float32 bit patterns")
     monkeypatch.setattr(lora_pack, "CHUNK", 1000)            # many pieces of calls, as for a large adapter
-    tensors, shapes, where = write(tmp_path / "w.safetensors", src_dtype, rank)
+    tensors, shapes, where = write(tmp_path / "w.safetensors", src_dtype, rank, edges=edges)
     packer = GroupPacker(dtype)
     layout = packer.plan(shapes, PAGE)
     want = torch.zeros(layout.num_pages(PAGE) * PAGE, dtype=dtype)
@@ -104,6 +125,35 @@ def test_the_c_packer_names_a_tensor_that_is_not_finite(tmp_path, rank, poison, 
     layer, module, ab = poison.split(".")
     got = pack_file(packer, layout, where, tmp_path / "w.safetensors", flat, two_threads if wide else None)
     assert got == ((int(layer), module), f"lora_{ab}")
+
+
+@needs_c
+@pytest.mark.parametrize("rank", [8, 16, 6])
+@pytest.mark.parametrize("bits", [0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0x7F7F8000, 0xFF7FFFFF])
+@pytest.mark.parametrize("name", ["1.gate_proj.B", "0.k_proj.A"])
+def test_a_value_that_is_nan_or_infinite_in_bfloat16_is_named(tmp_path, rank, bits, name):
+    """Quiet and signalling NaNs of any payload (the rounding must not carry one into a finite value) and
+    finite float32 values that round to infinity, in B's paired paths and in A's."""
+    _, shapes, where = write(tmp_path / "w.safetensors", torch.float32, rank,
+                             poison_bits={name: bits - (1 << 32) if bits >= 1 << 31 else bits})
+    packer = GroupPacker(torch.bfloat16)
+    layout = packer.plan(shapes, PAGE)
+    flat = torch.zeros(layout.num_pages(PAGE) * PAGE, dtype=torch.bfloat16)
+    layer, module, ab = name.split(".")
+    assert pack_file(packer, layout, where, tmp_path / "w.safetensors", flat) == ((int(layer), module), f"lora_{ab}")
+
+
+@needs_c
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("name", ["1.gate_proj.B", "0.k_proj.A"])
+def test_a_half_precision_file_value_that_is_not_finite_is_named(tmp_path, src_dtype, value, name):
+    _, shapes, where = write(tmp_path / "w.safetensors", src_dtype, 16, poison_value=(name, value))
+    packer = GroupPacker(torch.bfloat16)
+    layout = packer.plan(shapes, PAGE)
+    flat = torch.zeros(layout.num_pages(PAGE) * PAGE, dtype=torch.bfloat16)
+    layer, module, ab = name.split(".")
+    assert pack_file(packer, layout, where, tmp_path / "w.safetensors", flat) == ((int(layer), module), f"lora_{ab}")
 
 
 def threads_of_chunks(monkeypatch, each=None) -> list[str]:
