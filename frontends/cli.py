@@ -75,9 +75,11 @@ def _serve(args: argparse.Namespace) -> int:
     if args.replicas > 1:
         if args.replica_load_bound < 0:
             raise ValueError(f"--replica-load-bound must be >= 0, got {args.replica_load_bound}")
+        if args.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
         from frontends.ray_launcher import serve_on_ray
         return serve_on_ray(args.argv, args.replicas, args.max_adapters_per_replica, args.host, args.port,
-                            args.ray_address, args.replica_routing, args.replica_load_bound)
+                            args.ray_address, args.replica_routing, args.replica_load_bound, args.shutdown_timeout)
     kwargs = engine_kwargs(args)
     if args.adapter_dir:
         kwargs.pop("adapter_dir", None)

@@ -30,8 +30,10 @@ def replica_argv(argv: list[str]) -> list[str]:
 
 
 def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, port: int,
-                 ray_address: str | None, routing: str = "adapter", load_bound: float = 0.0) -> int:
-    """Serve until SIGINT / SIGTERM; return only once every replica's processes are gone."""
+                 ray_address: str | None, routing: str = "adapter", load_bound: float = 0.0,
+                 shutdown_timeout: float = 30.0) -> int:
+    """Serve until SIGINT / SIGTERM; return only once every replica's processes are gone (each replica's
+    server drains for up to `shutdown_timeout`, its --shutdown-timeout, before the launcher kills it)."""
     import sys
 
     import ray
@@ -77,14 +79,15 @@ def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, p
         _note_pids(directory, pids, 5.0)    # a replica registered since the last look (a replacement, say)
     finally:
         if gcs is not None and stopping.is_set():
-            _stop_local(pids)
+            _stop_local(pids, stop_wait_s(shutdown_timeout))
         for stop in (serve.shutdown, ray.shutdown):
             pids.update(descendants(os.getpid()))      # a local Ray's processes (workers, agents) are ours
             with contextlib.suppress(Exception):
                 stop()
-        left = wait_gone([p for p, started in pids.items() if _start_time(p) == started], STOP_WAIT_S)
+        wait = stop_wait_s(shutdown_timeout)
+        left = wait_gone([p for p, started in pids.items() if _start_time(p) == started], wait)
         if left:
-            print(f"loraplex: processes {left} still ran {STOP_WAIT_S:.0f} s after the stop; killed", flush=True)
+            print(f"loraplex: processes {left} still ran {wait:.0f} s after the stop; killed", flush=True)
         print("loraplex: stopped", flush=True)
     return 0
 
@@ -119,7 +122,15 @@ def start_ray(ray_address: str | None) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
-STOP_WAIT_S = 90.0      # a replica's server drains up to --shutdown-timeout (30 s) before it exits
+ENGINE_STOP_S = 60.0    # beyond its --shutdown-timeout, what a replica's server may take to stop its engine
+
+
+def stop_wait_s(shutdown_timeout: float) -> float:
+    """How long the launcher waits for the replicas' servers after a stop before it kills them: their drain
+    (--shutdown-timeout, passed to every replica) and their engines' stop."""
+    return shutdown_timeout + ENGINE_STOP_S
+
+
 RAY_STOP_S = 1.0        # then a local Ray's own processes are SIGKILLed: the wait for them to be gone
 
 
@@ -132,7 +143,7 @@ def local_gcs(root: int) -> int | None:
     return None
 
 
-def _stop_local(pids: dict[int, str]) -> None:
+def _stop_local(pids: dict[int, str], stop_wait: float) -> None:
     """The stop of a local Ray instance (ours: every process of it is below this one). Each replica's server
     gets SIGTERM, its launcher only (which drains its frontends, then stops its engine: after a stop of the
     whole cgroup the engine has had one SIGTERM already, and a second stops it at once), and drains its
@@ -147,14 +158,14 @@ def _stop_local(pids: dict[int, str]) -> None:
         if _parent(p) not in servers:        # each server's own launcher, which drains its frontends, then
             with contextlib.suppress(OSError):   # stops its engine: a second SIGTERM stops an engine at once
                 os.kill(p, signal.SIGTERM)
-    left = wait_gone(servers, STOP_WAIT_S)
+    left = wait_gone(servers, stop_wait)
     ray_own = descendants(os.getpid())
     for p in ray_own:
         with contextlib.suppress(OSError):
             os.kill(p, signal.SIGKILL)           # SIGTERM is blocked there (start_ray)
     wait_gone([p for p, started in ray_own.items() if _start_time(p) == started] + left, RAY_STOP_S)
     if left:
-        print(f"loraplex: processes {left} still ran {STOP_WAIT_S:.0f} s after the stop; killed", flush=True)
+        print(f"loraplex: processes {left} still ran {stop_wait:.0f} s after the stop; killed", flush=True)
     print("loraplex: stopped", flush=True)
     sys.stderr.flush()
     os._exit(0)

@@ -64,3 +64,18 @@ def test_a_ray_address_where_nothing_listens_is_a_clear_error_at_once(tmp_path):
     assert r.returncode == 1, r.stderr[-2000:]
     assert f"loraplex: error: --ray-address 127.0.0.1:{port}: no Ray cluster answers there" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and time.monotonic() - start < 60
+
+
+def test_the_launcher_waits_out_the_replicas_own_shutdown_timeout(monkeypatch):
+    """`serve --replicas 2 --shutdown-timeout 300`: each replica's server drains for up to 300 s, so the
+    launcher must not kill it earlier (it waited a fixed 90 s): its wait follows the flag."""
+    from frontends import cli, ray_launcher
+    seen = {}
+
+    def fake(argv, replicas, *args):
+        seen["timeout"] = args[-1]
+        return 0
+    monkeypatch.setattr(ray_launcher, "serve_on_ray", fake)
+    assert cli.main(["serve", "--replicas", "2", "--shutdown-timeout", "300"]) == 0
+    assert seen["timeout"] == 300 and ray_launcher.stop_wait_s(seen["timeout"]) > 300
+    assert "--shutdown-timeout" in ray_launcher.replica_argv(["serve", "--replicas", "2", "--shutdown-timeout", "300"])
