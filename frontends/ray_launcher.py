@@ -53,7 +53,7 @@ def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, p
     try:
         start_ray(ray_address)
     except ConnectionError as e:
-        print(f"loraplex: error: --ray-address {ray_address}: {e}", file=sys.stderr, flush=True)
+        print(f"loraplex: error: --ray-address {ray_address}: {e}{auth_hint()}", file=sys.stderr, flush=True)
         return 1
     port = port or free_port(host)
     serve.start(http_options={"host": host, "port": port})
@@ -62,6 +62,7 @@ def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, p
         signal.signal(sig, lambda *_: stopping.set())
     gcs = None if ray_address else local_gcs(os.getpid())
     pids: dict[int, str] = {}      # every replica server's process seen, with its start time (pids are reused)
+    directory = None
     try:
         app = build_app(replica_argv(argv), replicas, max_adapters, routing=routing, load_bound=load_bound)
         serve.run(app, name="loraplex", route_prefix="/")
@@ -80,7 +81,9 @@ def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, p
     finally:
         if gcs is not None and stopping.is_set():
             _stop_local(pids, stop_wait_s(shutdown_timeout))
-        for stop in (serve.shutdown, ray.shutdown):
+        if gcs is None and directory is not None:
+            _drain_remote(directory, stop_wait_s(shutdown_timeout))
+        for stop in (serve.shutdown if gcs is not None else _leave_serve, ray.shutdown):
             pids.update(descendants(os.getpid()))      # a local Ray's processes (workers, agents) are ours
             with contextlib.suppress(Exception):
                 stop()
@@ -105,6 +108,15 @@ def unreachable(address: str, timeout: float = 5.0) -> str | None:
             return None
     except OSError as e:
         return f"no Ray cluster answers there ({e.strerror or e})"
+
+
+def auth_hint() -> str:
+    """What to check when a reachable cluster refused this process: Ray 2.59 and later start clusters with
+    token authentication, and a client without the token gets only a connection error."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        return " (RAY_AUTH_MODE=token is set: is the token, RAY_AUTH_TOKEN or its file, the cluster's?)"
+    return (" (if the cluster uses token authentication, as `ray start` does from Ray 2.59 on, set RAY_AUTH_MODE=token"
+            " and the cluster's token, RAY_AUTH_TOKEN or `ray get-auth-token` on its head, in this environment)")
 
 
 def start_ray(ray_address: str | None) -> None:
@@ -169,6 +181,33 @@ def _stop_local(pids: dict[int, str], stop_wait: float) -> None:
     print("loraplex: stopped", flush=True)
     sys.stderr.flush()
     os._exit(0)
+
+
+def _drain_remote(directory, wait: float) -> None:
+    """The stop on a cluster not ours (--ray-address): the launcher may run on another machine than the
+    replicas, so each replica sends its own server SIGTERM (Directory.drain, ray_replica.check_health); the
+    servers drain their streams while Ray Serve's proxy still carries them. Returns once every replica has
+    reported its server gone, or after `wait` s."""
+    import time
+    with contextlib.suppress(Exception):
+        directory.drain.remote().result(timeout_s=5.0)
+        deadline, left = time.monotonic() + wait, ["?"]
+        while time.monotonic() < deadline:
+            left = directory.undrained.remote().result(timeout_s=5.0)
+            if not left:
+                return
+            time.sleep(0.5)
+        print(f"loraplex: replicas {left} still draining {wait:.0f} s after the stop; deleting the application",
+              flush=True)
+
+
+def _leave_serve() -> None:
+    """On a cluster not ours: delete this application only (Ray Serve may run others there); Serve itself is
+    shut down only when no application is left."""
+    from ray import serve
+    serve.delete("loraplex")
+    if not serve.status().applications:
+        serve.shutdown()
 
 
 def _note_pids(directory, pids: dict[int, str], timeout: float = 30.0) -> None:

@@ -35,12 +35,29 @@ class Directory:
         self.replicas: dict[str, dict] = {}
         self.runtime: dict[str, dict] = {}      # adapters loaded at run time: name -> its load request
         self.stopping = False
+        self.draining = False                   # the replicas are to drain their servers themselves
+        self.drained: set[str] = set()          # replicas whose server has exited since
 
     def stop(self) -> None:
         self.stopping = True
 
     def is_stopping(self) -> bool:
         return self.stopping
+
+    def drain(self) -> None:
+        """The stop on a cluster not ours (the launcher cannot signal processes on its nodes): each replica
+        sends its server SIGTERM at its next health check and reports once the server has exited."""
+        self.stopping = self.draining = True
+
+    def is_draining(self) -> bool:
+        return self.draining
+
+    def note_drained(self, name: str) -> None:
+        self.drained.add(name)
+
+    def undrained(self) -> list[str]:
+        """The registered replicas whose server has not exited since drain()."""
+        return sorted(set(self.replicas) - self.drained)
 
     def register(self, name: str, info: dict) -> None:
         self.replicas[name] = info
@@ -68,6 +85,7 @@ class _Replica:
     async def __init__(self, serve_args: list[str], directory: DeploymentHandle, ingress_key: str | None = None):
         """ingress_key: the key the ingress polls this replica's /metrics with (envs.ingress_metrics_key)."""
         self.name = serve.get_replica_context().replica_id.unique_id
+        self.draining = False
         host = os.environ.get("LORAPLEX_REPLICA_HOST", "127.0.0.1")
         env = dict(os.environ, **({"LORAPLEX_INGRESS_METRICS_KEY": ingress_key} if ingress_key else {}))
         self.proc = subprocess.Popen([sys.executable, "-m", "frontends.cli", "serve", "--host", host, "--port", "0",
@@ -132,9 +150,18 @@ class _Replica:
         """Fails once the server has exited (Ray Serve then replaces the replica), except while the launcher
         stops the application: a SIGTERM to every process of the service (systemd's stop of its cgroup)
         reaches the servers too, and each drains and exits on its own; a replacement started then would
-        only be killed again."""
-        if self.proc.poll() is not None and not await self.directory.is_stopping.remote():
-            raise RuntimeError(f"the replica's loraplex server exited with {self.proc.returncode}")
+        only be killed again. On a cluster not the launcher's (Directory.drain), the replica itself sends
+        its server SIGTERM, and says when it has drained and exited."""
+        if self.proc.poll() is None:
+            if not self.draining and await self.directory.is_draining.remote():
+                self.draining = True
+                print(f"loraplex replica {self.name}: draining its server", flush=True)
+                self.proc.terminate()
+            return
+        if self.draining or await self.directory.is_stopping.remote():
+            await self.directory.note_drained.remote(self.name)
+            return
+        raise RuntimeError(f"the replica's loraplex server exited with {self.proc.returncode}")
 
     def __del__(self):
         proc = getattr(self, "proc", None)
