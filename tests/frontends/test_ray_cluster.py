@@ -51,6 +51,12 @@ def _on_cluster(address: str, env: dict, code: str) -> str:
     return out.stdout
 
 
+def _servers() -> set[str]:
+    """The pids of the loraplex servers running here that replicas start."""
+    return set(subprocess.run(["pgrep", "-f", "frontends.cli serve --host"], capture_output=True,
+                              text=True).stdout.split())
+
+
 def test_a_client_without_the_clusters_token_is_told_what_to_set(ray_head, tiny_served):
     address, env = ray_head
     model, adapters = tiny_served
@@ -68,10 +74,10 @@ def test_a_stop_drains_through_the_replicas_and_leaves_the_clusters_other_applic
     model, adapters = tiny_served
     for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
         monkeypatch.setenv(k, env[k])
+    before = _servers()
     s = RayServer("--model", str(model), "--dtype", "float32", "--adapter-dir", str(adapters),
                   "--kv-cache-memory-bytes", str(64 << 20), "--ray-address", address)
-    servers = subprocess.run(["pgrep", "-f", "frontends.cli serve --host"], capture_output=True,
-                             text=True).stdout.split()
+    servers = _servers() - before
     assert len(servers) == 2, servers          # the replicas' servers, on the cluster's workers
     _on_cluster(address, env, textwrap.dedent("""
         @serve.deployment(ray_actor_options={"num_cpus": 0})
