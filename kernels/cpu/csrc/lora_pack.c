@@ -128,9 +128,9 @@ DEFINE_PACK(bf16_f32, load_bf16, float, to_f32, f32_val)
 DEFINE_PACK(f16_f32, load_f16, float, to_f32, f32_val)
 
 #ifdef __AVX512BW__
-/* The fp32 -> bf16 pieces with AVX-512 and non-temporal stores (the packed adapter is not read again
- * before a step streams it in: writing around the caches saves reading every destination line first).
- * f32_to_bf16's rounding, 16 at a time: the same bits. */
+/* The pieces into bf16 with AVX-512 (from fp32, bf16 or fp16 files, each value widened to fp32 exactly) and
+ * non-temporal stores (the packed adapter is not read again before a step streams it in: writing around the
+ * caches saves reading every destination line first). f32_to_bf16's rounding, 16 at a time: the same bits. */
 static inline __m256i cvt16_bf16(__m512 v, __mmask16 *bad) {
     const __m512i u = _mm512_castps_si512(v);
     const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
