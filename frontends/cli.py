@@ -176,6 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def serve_setting(serve_args: list[str], name: str):
+    """The value `loraplex serve <serve_args>` would run with for setting `name` (flags, a --config file,
+    the defaults): what the Ray application needs to know of its replicas' servers."""
+    parser = build_parser()
+    argv = ["serve", *serve_args]
+    _apply_config(parser, argv)
+    return getattr(parser.parse_args(argv), name)
+
+
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=envs.log_level(), format="%(asctime)s %(name)s %(levelname)s %(message)s",
                         stream=sys.stderr)

@@ -288,9 +288,11 @@ def build_app(serve_args: list[str], replicas: int, max_adapters: int = 64, gpus
     ignore adapters (Ray's default router: the less loaded of two random replicas), for comparison;
     load_bound: see Ingress (0: affinity whatever the load). The ingress polls the replicas' loads with a
     key made here, which each replica's server lets read /metrics and nothing else."""
+    from frontends.cli import serve_setting
     poll_key = "sk-ingress-" + secrets.token_urlsafe(24)
     directory = Directory.bind()
-    engines = replica_deployment(max_adapters, gpus_per_replica).options(num_replicas=replicas).bind(
+    drain_s = serve_setting(serve_args, "shutdown_timeout")
+    engines = replica_deployment(max_adapters, gpus_per_replica, drain_s).options(num_replicas=replicas).bind(
         serve_args, directory, poll_key)
     return Ingress.bind(engines, directory, routing, load_bound, poll_key)
 

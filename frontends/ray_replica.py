@@ -169,13 +169,15 @@ class _Replica:
             proc.terminate()
 
 
-def replica_deployment(max_adapters: int, gpus: float = 0):
+def replica_deployment(max_adapters: int, gpus: float = 0, drain_s: float = 30.0):
     """The replica deployment with Ray Serve's bound on adapters per replica. The replica's own process
-    takes no CPU in Ray's accounting (its server's processes do the work); `gpus`: GPUs per replica."""
+    takes no CPU in Ray's accounting (its server's processes do the work); `gpus`: GPUs per replica;
+    `drain_s`: how long Ray Serve lets a replica it stops (a deletion, a scale-down, a redeploy) finish its
+    running requests, its server's --shutdown-timeout (Ray's own default is 20 s)."""
     class EngineReplica(_Replica):
         @serve.multiplexed(max_num_models_per_replica=max_adapters)
         async def adapter(self, name: str) -> str:
             return name
     return serve.deployment(name="EngineReplica", max_ongoing_requests=256, health_check_period_s=2,
-                            health_check_timeout_s=30,
+                            health_check_timeout_s=30, graceful_shutdown_timeout_s=drain_s,
                             ray_actor_options={"num_cpus": 0, "num_gpus": gpus})(EngineReplica)

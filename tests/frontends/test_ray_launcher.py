@@ -79,3 +79,18 @@ def test_the_launcher_waits_out_the_replicas_own_shutdown_timeout(monkeypatch):
     assert cli.main(["serve", "--replicas", "2", "--shutdown-timeout", "300"]) == 0
     assert seen["timeout"] == 300 and ray_launcher.stop_wait_s(seen["timeout"]) > 300
     assert "--shutdown-timeout" in ray_launcher.replica_argv(["serve", "--replicas", "2", "--shutdown-timeout", "300"])
+
+
+def test_ray_serve_gives_a_replica_it_stops_its_servers_shutdown_timeout(tmp_path):
+    """A replica Ray Serve itself stops (`serve.delete`, a scale-down, a redeploy of `serve run
+    frontends.ray_app:app_builder`) keeps its running requests as long as its server would on a SIGTERM:
+    --shutdown-timeout (flag, --config file or default), not Ray's own 20 s."""
+    from frontends.cli import serve_setting
+    from frontends.ray_app import build_app
+    config = tmp_path / "serve.toml"
+    config.write_text("shutdown-timeout = 45\n")
+    assert serve_setting(["--config", str(config)], "shutdown_timeout") == 45
+    assert serve_setting([], "shutdown_timeout") == 30
+    for args, want in ((["--shutdown-timeout", "75"], 75), (["--config", str(config)], 45)):
+        engines = build_app(args, 2)._bound_deployment.init_args[0]._bound_deployment   # Ray Serve's own objects
+        assert engines.name == "EngineReplica" and engines._deployment_config.graceful_shutdown_timeout_s == want
