@@ -63,21 +63,25 @@ def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, p
     gcs = None if ray_address else local_gcs(os.getpid())
     pids: dict[int, str] = {}      # every replica server's process seen, with its start time (pids are reused)
     directory = None
+
+    def note_pids(timeout: float = 30.0) -> None:
+        if gcs is not None:     # a cluster's replicas may run on other machines: their pids mean nothing here
+            _note_pids(directory, pids, timeout)
     try:
         app = build_app(replica_argv(argv), replicas, max_adapters, routing=routing, load_bound=load_bound)
         serve.run(app, name="loraplex", route_prefix="/")
         directory = serve.get_deployment_handle("Directory", app_name="loraplex")
-        _note_pids(directory, pids)         # before ready: a stop right after it must know every replica's server
+        note_pids()                         # before ready: a stop right after it must know every replica's server
         where = ray_address or "a local Ray instance"
         url = f"http://{host}:{port}"
         print(f"loraplex: serving at {url}/v1 ({replicas} replicas on Ray Serve, {where})", file=sys.stderr,
               flush=True)
         ready.announce(url=url, replicas=replicas, pid=os.getpid())
         while not stopping.wait(1.0):       # the replicas' processes, replacements and replaced ones included
-            _note_pids(directory, pids)
+            note_pids()
         with contextlib.suppress(Exception):   # no replica is replaced from here on (ray_replica.check_health)
             directory.stop.remote().result(timeout_s=5.0)
-        _note_pids(directory, pids, 5.0)    # a replica registered since the last look (a replacement, say)
+        note_pids(5.0)                      # a replica registered since the last look (a replacement, say)
     finally:
         if gcs is not None and stopping.is_set():
             _stop_local(pids, stop_wait_s(shutdown_timeout))
