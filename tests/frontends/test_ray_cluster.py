@@ -87,8 +87,8 @@ def test_a_stop_drains_through_the_replicas_and_leaves_the_clusters_other_applic
         serve.run(Other.bind(), name="other", route_prefix="/other")
     """))
     stop_while_streaming(s, signal.SIGTERM)     # the stream finishes whole; the launcher exits 0
-    # each replica drained its own server (Ray Serve's own deletion would give a stream only its
-    # graceful_shutdown_timeout_s, 20 s, not the server's --shutdown-timeout)
+    # each replica drained its own server, and said so (how the launcher knows the servers are gone; Ray
+    # Serve's own deletion would also wait for this 15 s stream, so the stream alone cannot tell)
     assert len([line for line in s.lines if "draining its server" in line]) == 2, "".join(s.lines[-30:])
     assert not [p for p in servers if Path(f"/proc/{p}").exists()], "a replica's server outlived the stop"
     status = _on_cluster(address, env, "s = serve.status().applications\n"
