@@ -45,9 +45,13 @@ class RayServer:
             raise RuntimeError("the Ray application did not start:\n" + "".join(self.lines[-60:]))
         self.url = self.info["url"]
 
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        """`sig` to the whole process group: SIGINT as Ctrl-C in a terminal, SIGTERM as `kill -- -PGID`."""
-        os.killpg(self.proc.pid, sig)
+    def stop(self, sig: int = signal.SIGTERM, alone: bool = False) -> int:
+        """`sig` to the whole process group: SIGINT as Ctrl-C in a terminal, SIGTERM as `kill -- -PGID`; with
+        `alone`, to the launcher's process only (a container runtime's stop, `kill PID`)."""
+        if alone:
+            os.kill(self.proc.pid, sig)
+        else:
+            os.killpg(self.proc.pid, sig)
         try:
             return self.proc.wait(150)
         except subprocess.TimeoutExpired:
@@ -70,10 +74,10 @@ class RayServer:
         return list(self.session().values())
 
 
-def stop_while_streaming(s: RayServer, sig: int, everyone: bool = False) -> None:
+def stop_while_streaming(s: RayServer, sig: int, everyone: bool = False, alone: bool = False) -> None:
     """`sig` to the server's process group (with `everyone`, first to every process of its session, as
-    systemd stops a service's cgroup) while a long stream runs: the stream finishes whole, the server exits
-    0, and none of its processes (Ray's included) is left."""
+    systemd stops a service's cgroup; with `alone`, to the launcher only) while a long stream runs: the
+    stream finishes whole, the server exits 0, and none of its processes (Ray's included) is left."""
     n = 1500           # outlasts the signal's delivery on a fast host (400 had all but 3 sent on a Zen 4)
     reader, got = stream_running(s.url, {"model": "tiny-r2", "prompt": "Once upon a time", "max_tokens": n,
                                          "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}})
@@ -82,7 +86,7 @@ def stop_while_streaming(s: RayServer, sig: int, everyone: bool = False) -> None
         for pid in s.session():
             with contextlib.suppress(OSError):
                 os.kill(pid, sig)
-    assert s.stop(sig) == 0, "".join(s.lines[-40:])
+    assert s.stop(sig, alone) == 0, "".join(s.lines[-40:])
     assert before < n / 2, f"{before} of {n} tokens came before the stop: nothing was left to drain"
     reader.join(60)
     events = [json.loads(line[len(b"data: "):]) for line in got if line.startswith(b"data: {")]
