@@ -25,6 +25,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.interpreter)
 
 
+@pytest.fixture(autouse=True)
+def _close_test_llms(monkeypatch):
+    """Close every `LLM` a test (or its function-scoped fixtures) made, when it ends: otherwise its loader and
+    digest threads live on with the object, and a digest left running hashes adapter files at full speed (the
+    engine is idle) beside the tests that follow. LLMs of module- or session-scoped fixtures are set up before
+    this fixture and are left to their own teardown."""
+    from engine.llm import LLM
+    made = []
+    init = LLM.__init__
+
+    def recorded(self, *args, **kwargs):
+        made.append(self)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLM, "__init__", recorded)
+    yield
+    for llm in made:
+        if hasattr(llm, "engine"):          # (its __init__ may have failed on bad arguments)
+            llm.close()
+
+
 @pytest.fixture(scope="session")
 def model_dir():
     from engine.model.default_model import default_model_dir

@@ -14,9 +14,10 @@ from tests.peft_adapters import FIDELITY_ADAPTERS
 def llm():
     llm = LLM(dtype="bfloat16", max_num_batched_tokens=64, long_prefill_token_threshold=32,
               enable_prefix_caching=False)
-    if llm.engine.runner.model.decoder(llm.engine.runner.kv_caches) is None:
-        pytest.skip("the C decoder needs AVX512-BF16 and the paired KV layout")
-    return llm
+    with llm:
+        if llm.engine.runner.model.decoder(llm.engine.runner.kv_caches) is None:
+            pytest.skip("the C decoder needs AVX512-BF16 and the paired KV layout")
+        yield llm
 
 
 @pytest.fixture
