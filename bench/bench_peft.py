@@ -78,7 +78,7 @@ def experiment_peft(args, work: Path) -> None:
         ax.legend()
         ax.set_title(f"bench_peft: {args.num} requests over {args.num} adapters (ranks 8/16/32, all projections), "
                      f"{args.dtype}")
-    write("peft", {"args": vars(args), **res}, plot)
+    write("peft", {"args": vars(args), **res}, plot, args.out)
 
 
 def run_peft(args, dirs, names, prompts, picks: dict) -> dict[str, float]:
@@ -140,7 +140,8 @@ def experiment_sweep(args, work: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)     # `--out` is not `--out-len`
     p.add_argument("--experiment", default="all", choices=["peft", "sweep", "all"])
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cpu", help="cpu or cuda: both sides run there (make gpu-check: cuda)")
@@ -152,6 +153,7 @@ def main() -> None:
     p.add_argument("--counts", type=int, nargs="+", default=[1, 8, 64, 256, 1000], help="(2): adapter counts")
     p.add_argument("--resident", type=int, default=64, help="(2): adapters the pool has room for")
     p.add_argument("--workdir", default=None, help="where to write adapters (kept for reuse)")
+    p.add_argument("--out", default=None, help="folder for (1)'s JSON and PNG (default bench/results)")
     args = p.parse_args()
     work = Path(args.workdir or Path(tempfile.gettempdir()) / "loraplex-bench-adapters")
     if args.experiment in ("peft", "all"):
