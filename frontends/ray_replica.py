@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import aiohttp
 from ray import serve
@@ -24,6 +25,8 @@ from ray.serve.handle import DeploymentHandle
 from frontends import ready
 from frontends.engine_client import AsyncEngineClient
 from frontends.lifetime import die_with_parent
+
+DRAIN_ACK_S = 10.0      # after Directory.drain(), how long a live replica may take to say it is draining
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -36,6 +39,8 @@ class Directory:
         self.runtime: dict[str, dict] = {}      # adapters loaded at run time: name -> its load request
         self.stopping = False
         self.draining = False                   # the replicas are to drain their servers themselves
+        self.drain_at = 0.0                     # when (time.monotonic)
+        self.acked: set[str] = set()            # replicas that have sent their server SIGTERM since
         self.drained: set[str] = set()          # replicas whose server has exited since
 
     def stop(self) -> None:
@@ -46,18 +51,25 @@ class Directory:
 
     def drain(self) -> None:
         """The stop on a cluster not ours (the launcher cannot signal processes on its nodes): each replica
-        sends its server SIGTERM at its next health check and reports once the server has exited."""
+        sends its server SIGTERM at its next health check, says so, and reports once the server has exited."""
         self.stopping = self.draining = True
+        self.drain_at = time.monotonic()
 
     def is_draining(self) -> bool:
         return self.draining
+
+    def note_draining(self, name: str) -> None:
+        self.acked.add(name)
 
     def note_drained(self, name: str) -> None:
         self.drained.add(name)
 
     def undrained(self) -> list[str]:
-        """The registered replicas whose server has not exited since drain()."""
-        return sorted(set(self.replicas) - self.drained)
+        """The registered replicas whose server has not exited since drain(). A replica that has not said it
+        is draining DRAIN_ACK_S after drain() is taken for gone (one Ray Serve replaced, and no fan-out has
+        found dead since): a live one answers at its next health check, every 2 s."""
+        late = time.monotonic() - self.drain_at > DRAIN_ACK_S
+        return sorted(n for n in self.replicas if n not in self.drained and (n in self.acked or not late))
 
     def register(self, name: str, info: dict) -> None:
         self.replicas[name] = info
@@ -157,6 +169,7 @@ class _Replica:
                 self.draining = True
                 print(f"loraplex replica {self.name}: draining its server", flush=True)
                 self.proc.terminate()
+                await self.directory.note_draining.remote(self.name)
             return
         if self.draining or await self.directory.is_stopping.remote():
             await self.directory.note_drained.remote(self.name)

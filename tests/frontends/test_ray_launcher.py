@@ -94,3 +94,25 @@ def test_ray_serve_gives_a_replica_it_stops_its_servers_shutdown_timeout(tmp_pat
     for args, want in ((["--shutdown-timeout", "75"], 75), (["--config", str(config)], 45)):
         engines = build_app(args, 2)._bound_deployment.init_args[0]._bound_deployment   # Ray Serve's own objects
         assert engines.name == "EngineReplica" and engines._deployment_config.graceful_shutdown_timeout_s == want
+
+
+def test_a_cluster_stop_does_not_wait_for_a_replica_ray_serve_replaced(monkeypatch):
+    """On --ray-address the launcher waits until Directory.undrained() is empty. A replica that died and was
+    replaced stays registered until a fan-out finds it dead; it never says it is draining, so after
+    DRAIN_ACK_S it no longer holds up the stop (it held it for the whole --shutdown-timeout + 60 s)."""
+    from frontends import ray_replica
+    clock = [1000.0]
+    monkeypatch.setattr(ray_replica.time, "monotonic", lambda: clock[0])
+    d = ray_replica.Directory.func_or_class()
+    for name in ("live", "slow", "dead"):
+        d.register(name, {"url": "http://127.0.0.1:1"})
+    d.drain()
+    assert d.is_draining() and d.is_stopping() and d.undrained() == ["dead", "live", "slow"]
+    d.note_draining("live")
+    d.note_draining("slow")
+    clock[0] += ray_replica.DRAIN_ACK_S + 1
+    assert d.undrained() == ["live", "slow"]        # both said they drain: waited for, however long it takes
+    d.note_drained("live")
+    assert d.undrained() == ["slow"]
+    d.note_drained("slow")
+    assert d.undrained() == []
