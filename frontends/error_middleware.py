@@ -1,8 +1,8 @@
 """Every answer of the HTTP frontend in OpenAI's error shape, and who is calling.
 
-The middleware resolves the caller from its API key (401 on /v1/* and /dashboard without a valid one;
-frontends/auth.py),
-then turns what a handler raises into a JSON error: ApiError as it says, the engine's refusals with
+The middleware notes the request's id (frontends/request_id.py: the caller's `X-Request-Id`, a 400 for one
+it cannot take), resolves the caller from its API key (401 on /v1/* and /dashboard without a valid one;
+frontends/auth.py), then turns what a handler raises into a JSON error: ApiError as it says, the engine's refusals with
 their status (a 404 for an adapter a tenant may not see reads as any unknown model; a 429 carries
 Retry-After), aiohttp's own 4xx (unknown route, method, a body too large), and a bug of ours as a logged
 500 (on a stream already started, aiohttp closes the connection instead).
@@ -18,6 +18,7 @@ from frontends.api_error import ApiError
 from frontends.auth import ANONYMOUS_ADMIN, Auth
 from frontends.engine_client import EngineError
 from frontends.reply import reply
+from frontends.request_id import HEADER, new_request_id, request_id
 
 log = logging.getLogger("loraplex.http")
 DASHBOARD = "/dashboard"     # the one page outside /v1/ that needs a key (frontends/dashboard.html)
@@ -28,11 +29,22 @@ def no_such_model(model) -> str:
     return f"The model {model!r} does not exist"
 
 
+def note_request_id(request: web.Request) -> None:
+    """request["request_id"]: the caller's X-Request-Id, or a new one; ApiError 400 for one it cannot take
+    (its answer then carries a new one)."""
+    request["request_id"] = new_request_id()
+    try:
+        request["request_id"] = request_id(request.headers.get(HEADER))
+    except ValueError as e:
+        raise ApiError(400, str(e), code="invalid_request_id") from None
+
+
 def error_middleware(auth: Auth):
-    """The aiohttp middleware; it sets request["caller"] for the handlers."""
+    """The aiohttp middleware; it sets request["request_id"] and request["caller"] for the handlers."""
     @web.middleware
     async def errors(request: web.Request, handler):
         try:
+            note_request_id(request)
             caller = auth.caller(request.headers.get("Authorization", ""))
             if (request.path.startswith("/v1/") or request.path == DASHBOARD) and caller is None:
                 raise ApiError(401, "missing or wrong API key", code="invalid_api_key")

@@ -23,6 +23,7 @@ from frontends.choices import Merged, choice_params, choices_usage, collect
 from frontends.echo import Plain
 from frontends.engine_client import AsyncEngineClient, EngineError
 from frontends.error_middleware import no_such_model
+from frontends.request_id import traced
 from frontends.stream_chunks import StreamChunks, finish_reason
 
 log = logging.getLogger("loraplex.http")
@@ -178,13 +179,13 @@ class GenerationEndpoint(ABC):
                 sse.hang_up(request)
         except sse.SlowReader:
             metrics.SLOW_READERS.labels("timeout").inc()
-            log.warning("client of %s read nothing for %.0f s; aborting it", rid, self.stream_timeout)
+            log.warning("client of %s read nothing for %.0f s; aborting it", traced(request, rid), self.stream_timeout)
             sse.hang_up(request)
         except asyncio.CancelledError:
-            log.info("client of %s went away; aborting it", rid)
+            log.info("client of %s went away; aborting it", traced(request, rid))
             raise
         except ConnectionError:      # a write found the connection lost or closing: nothing left to answer
-            log.info("client of %s went away; aborting it", rid)
+            log.info("client of %s went away; aborting it", traced(request, rid))
             sse.hang_up(request)
         finally:
             await gens.aclose()          # aborts the requests in the engine that are still running

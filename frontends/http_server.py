@@ -28,6 +28,8 @@ from frontends.engine_client import MAX_BUFFERED, AsyncEngineClient
 from frontends.error_middleware import error_middleware
 from frontends.openapi import openapi_document
 from frontends.reply import reply
+from frontends.request_id import HEADER as REQUEST_ID
+from frontends.request_id import new_request_id
 
 log = logging.getLogger("loraplex.http")
 DASHBOARD = (Path(__file__).parent / "dashboard.html").read_text()
@@ -62,6 +64,7 @@ class OpenAIServer:
 
     async def tag_response(self, request: web.Request, response: web.StreamResponse) -> None:
         response.headers.update(self.headers)
+        response.headers[REQUEST_ID] = request.get("request_id") or new_request_id()  # set unless aiohttp refused it
 
     # -- models and adapters ----------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:

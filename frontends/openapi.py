@@ -7,6 +7,7 @@ import msgspec
 
 from frontends import api_requests as q
 from frontends import api_responses as r
+from frontends.request_id import HEADER, MAX_LEN
 from ipc.pool_report import PoolReport
 
 _REF = "#/components/schemas/{name}"
@@ -36,6 +37,19 @@ def _operation(summary: str, response: str, request: str | None = None, chunk: s
         op["requestBody"] = {"required": True, "content": {"application/json": {
             "schema": {"$ref": _REF.format(name=request)}}}}
     return op
+
+
+_ID_SCHEMA = {"type": "string", "minLength": 1, "maxLength": MAX_LEN, "pattern": "^[!-~]+$"}
+
+
+def _traced(paths: dict) -> None:
+    """Every operation takes an optional X-Request-Id and every answer carries one (frontends/request_id.py)."""
+    for op in (op for methods in paths.values() for op in methods.values()):
+        op["parameters"] = [{"name": HEADER, "in": "header", "required": False, "schema": _ID_SCHEMA,
+                             "description": "the caller's id for this request, echoed on the answer"}]
+        for answer in op["responses"].values():
+            answer["headers"] = {HEADER: {"schema": _ID_SCHEMA, "description": "the caller's X-Request-Id, "
+                                          "or one the server made (`req_` + 32 hex digits)"}}
 
 
 def openapi_document(secured: bool) -> dict:
@@ -73,6 +87,7 @@ def openapi_document(secured: bool) -> dict:
         "/openapi.json": {"get": {"summary": "This document", "security": [], "responses": {"200": {
             "description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
     }
+    _traced(paths)
     doc = {"openapi": "3.1.0", "info": {"title": "loraplex", "version": "1",
                                         "description": "OpenAI-compatible API over one base model and its LoRA "
                                                        "adapters; `model` names either."},

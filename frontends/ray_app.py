@@ -15,7 +15,8 @@ Three deployments (needs the optional extra: `pip install loraplex[ray]`):
   every POLL_S seconds. A replica that fails before its answer is complete is tried once more, after
   that a 503 (a non-streamed answer is collected whole before it is sent, so it is never cut short); a
   stream cut by a dead replica ends with an error event. Every response carries
-  `x-loraplex-replica`. Validation, tenants and keys are each replica's own (the same config everywhere).
+  `x-loraplex-replica`, and the request's `X-Request-Id` (the caller's, or one Ray Serve's proxy made;
+  the replicas get it too). Validation, tenants and keys are each replica's own (the same config everywhere).
 
 `build_app(serve_args, replicas, max_adapters)` makes the application; `app_builder` is the same for
 `serve run frontends.ray_app:app_builder replicas=2 serve_args="--model DIR ..."` or a Serve config file.
@@ -36,6 +37,8 @@ from starlette.responses import Response, StreamingResponse
 
 from frontends.api_responses import Model, ModelList, StatusReply, encode, error
 from frontends.ray_replica import Directory, replica_deployment
+from frontends.request_id import HEADER as REQUEST_ID
+from frontends.request_id import request_id
 
 GENERATE = ("/v1/completions", "/v1/chat/completions")
 BROADCAST = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
@@ -85,8 +88,18 @@ class Ingress:
         self.poller: asyncio.Task | None = None
 
     async def __call__(self, request: Request) -> Response:
+        """The request's X-Request-Id goes to the replicas (frontends/request_id.py): Ray Serve's proxy gives a
+        request without one its own, and puts it on the answer; one the replicas would refuse is a 400 here."""
+        try:
+            rid = request_id(request.headers.get(REQUEST_ID))
+        except ValueError as e:
+            return _json(_error(400, str(e), "invalid_request_id"), 400)
+        return await self.route(request, rid)
+
+    async def route(self, request: Request, rid: str) -> Response:
         body, path = await request.body(), request.url.path
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+        headers[REQUEST_ID] = rid
         if request.method == "POST" and path in GENERATE:
             return await self.generate(request.method, path, headers, body)
         if request.method == "POST" and path in BROADCAST:

@@ -57,6 +57,9 @@ def check_answer(case, resp, seen: collections.Counter, server_log: list[str]) -
     what = (f"{case.method} {case.path} {case.body!r:.3000} -> {resp.status_code} {text[:300]} ... {text[-300:]}"
             f"\nthe server's last lines:\n{''.join(server_log[-30:])}")
     assert resp.status_code < 500, what
+    sent, got = (case.headers or {}).get("X-Request-Id"), resp.headers.get("x-request-id")  # lower case, lists
+    assert got and len(got) == 1 and (got[0] == sent or resp.status_code >= 400 or not sent), \
+        f"X-Request-Id {sent!r} -> {got!r}: {what}"
     if resp.status_code >= 400:
         err = msgspec.json.decode(resp.content, type=r.ErrorResponse).error
         assert err.message and err.type, what

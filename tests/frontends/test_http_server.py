@@ -273,6 +273,34 @@ def test_errors_unknown_model_long_prompt_and_api_key(server, client):
         client.completions.create(model="../r4-qv", prompt="Hi", max_tokens=2)
 
 
+def test_every_answer_carries_the_requests_id_the_callers_own_or_a_new_one(server, client):
+    """X-Request-Id as OpenAI's answers carry it (the client's `_request_id`): the caller's comes back on answers,
+    streams and errors; without one each answer gets its own; one it cannot take is a 400 naming the header."""
+    raw = client.completions.with_raw_response.create(model=BASE, prompt="Hi", max_tokens=2,
+                                                      extra_headers={"X-Request-Id": "trace-7f3a/1"})
+    assert raw.headers["x-request-id"] == "trace-7f3a/1" and raw.parse()._request_id == "trace-7f3a/1"
+    with client.chat.completions.with_streaming_response.create(
+            model=BASE, messages=[{"role": "user", "content": "hi"}], max_tokens=2, stream=True,
+            extra_headers={"X-Request-Id": "stream-1"}) as r:
+        assert r.headers["x-request-id"] == "stream-1" and list(r.iter_lines())
+    ids = set()
+    for path in ("/v1/models", "/health", "/metrics", "/no-such-route"):
+        r = requests.get(server.url + path, headers=AUTH)
+        assert r.headers["x-request-id"].startswith("req_") and len(r.headers["x-request-id"]) == 36, path
+        ids.add(r.headers["x-request-id"])
+    assert len(ids) == 4
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-adapter", prompt="Hi", max_tokens=2,
+                                  extra_headers={"X-Request-Id": "err-1"})
+    assert e.value.request_id == "err-1"
+    for bad in ("x" * 129, "two words", "caf\u00e9"):
+        r = requests.post(server.url + "/v1/completions", headers={**AUTH, "X-Request-Id": bad},
+                          json={"model": BASE, "prompt": "Hi", "max_tokens": 2})
+        assert r.status_code == 400 and "X-Request-Id" in r.json()["error"]["message"], (bad, r.text)
+        assert r.json()["error"]["code"] == "invalid_request_id" and r.headers["x-request-id"].startswith("req_")
+    assert client.completions.create(model=BASE, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
 def test_load_use_unload_adapter_over_http(server, client, served_adapters):
     _, src = served_adapters
     kw = dict(prompt="The weather today is", max_tokens=6, temperature=0)

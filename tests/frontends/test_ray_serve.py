@@ -136,6 +136,19 @@ def test_openai_client_completions_chat_and_streams(client):
         client.completions.create(model="tiny-r2", prompt="Hi", max_tokens=2, n=99)
 
 
+def test_the_ingress_answers_carry_the_requests_id(ray_server, client):
+    raw = client.completions.with_raw_response.create(model="tiny-r2", prompt="Hi", max_tokens=2,
+                                                      extra_headers={"X-Request-Id": "ray-trace-1"})
+    assert raw.headers["x-request-id"] == "ray-trace-1" and raw.headers["x-loraplex-replica"]
+    with client.completions.with_streaming_response.create(model="tiny-r2", prompt="Hi", max_tokens=2, stream=True,
+                                                           extra_headers={"X-Request-Id": "ray-stream-1"}) as r:
+        assert r.headers["x-request-id"] == "ray-stream-1" and list(r.iter_lines())
+    made = [requests.get(ray_server.url + path).headers["x-request-id"] for path in ("/v1/models", "/health")]
+    assert all(made) and made[0] != made[1] and "," not in made[0]       # Ray Serve's proxy makes them
+    r = requests.get(ray_server.url + "/v1/models", headers={"X-Request-Id": "x" * 200})
+    assert r.status_code == 400 and "X-Request-Id" in r.json()["error"]["message"], r.text
+
+
 def test_an_adapters_requests_stay_on_one_replica(client):
     for adapter in ("tiny-r5", "tiny-r8"):
         replica_of(client, adapter)
