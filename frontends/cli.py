@@ -97,7 +97,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     return serve(kwargs, args.adapter_dir, args.host, args.port, args.frontends, args.api_key, loading, args.auth,
-                 (args.stream_timeout, args.stream_buffer), shutdown_timeout=args.shutdown_timeout)
+                 (args.stream_timeout, args.stream_buffer), shutdown_timeout=args.shutdown_timeout,
+                 log_requests=args.enable_log_requests)
 
 
 def _apply_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:
@@ -162,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM / SIGINT: stop taking connections, give running requests this many seconds "
                         "to finish, then stop the engine (keep it below your orchestrator's grace period)")
+    s.add_argument("--enable-log-requests", action="store_true",
+                   help="log one JSON line per POST /v1/* request (id, tenant, model, status, tokens, times; "
+                        "no prompt or text)")
     s.add_argument("--replicas", type=int, default=1,
                    help=">= 2: that many engine replicas behind one endpoint on Ray Serve (pip install loraplex[ray])")
     s.add_argument("--ray-address", default=None, help="the Ray cluster to join (default: start a local one)")

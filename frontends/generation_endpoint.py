@@ -24,6 +24,7 @@ from frontends.echo import Plain
 from frontends.engine_client import AsyncEngineClient, EngineError
 from frontends.error_middleware import no_such_model
 from frontends.request_id import traced
+from frontends.request_log import note
 from frontends.stream_chunks import StreamChunks, finish_reason
 
 log = logging.getLogger("loraplex.http")
@@ -89,6 +90,7 @@ class GenerationEndpoint(ABC):
         n, stream = req.n or 1, bool(req.stream)
         await self.client.until_healthy()    # a bad request is answered at once, also while the engine restarts
         rid = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        note(request, id=rid)
         tenant = caller.tenant
         gens = Merged([self.client.generate(ids, choice_params(params, i), None if members else adapter, salt,
                                             stream=stream, request_id=rid if n == 1 else f"{rid}-{i}",
@@ -130,6 +132,7 @@ class GenerationEndpoint(ABC):
         start = time.monotonic()
         done = await collect(gens, lambda out: self.observe(adapter, out.finish_reason, start))
         use = choices_usage([c.final for c in done], view.prompt_only)
+        note_usage(request, use, [c.final.finish_reason for c in done])
         choices = [(view.text(c.text, True), finish_reason(c.final.finish_reason),
                     view.logprobs(c.entries, c.prompt_logprobs, 0, True) if logprobs else None) for c in done]
         resp = web.Response(body=encode(self.answer(rid, model, choices, use)), content_type="application/json")
@@ -156,6 +159,7 @@ class GenerationEndpoint(ABC):
                 now = time.monotonic()
                 if last_t is None:
                     metrics.TTFT.observe(now - start)
+                    note(request, ttft_s=round(now - start, 4))
                 else:
                     metrics.ITL.observe(now - last_t)
                 last_t = now
@@ -168,16 +172,19 @@ class GenerationEndpoint(ABC):
                     if chunks.finish(i, out):
                         break
                 i, out = await gens.__anext__()
+            note_usage(request, choices_usage(chunks.finals, view.prompt_only), finishes)
             if include_usage:
                 await self.send(resp, sse.event(chunks.usage()))
             await self.send(resp, sse.DONE)
             self.delivered(request, finishes)
         except EngineError as e:
+            note(request, outcome="engine_error", error=str(e))
             try:
                 await self.send(resp, sse.event(ApiError(e.status, str(e)).response()))
             except (sse.SlowReader, ConnectionError):
                 sse.hang_up(request)
         except sse.SlowReader:
+            note(request, outcome="slow_reader")
             metrics.SLOW_READERS.labels("timeout").inc()
             log.warning("client of %s read nothing for %.0f s; aborting it", traced(request, rid), self.stream_timeout)
             sse.hang_up(request)
@@ -185,6 +192,7 @@ class GenerationEndpoint(ABC):
             log.info("client of %s went away; aborting it", traced(request, rid))
             raise
         except ConnectionError:      # a write found the connection lost or closing: nothing left to answer
+            note(request, outcome="client_gone")
             log.info("client of %s went away; aborting it", traced(request, rid))
             sse.hang_up(request)
         finally:
@@ -203,3 +211,10 @@ class GenerationEndpoint(ABC):
         """The whole answer (every choice) was written to the client: what its tenant's counter counts."""
         for finish in finishes:
             metrics.TENANT_REQUESTS.labels(request["caller"].name, finish or "none").inc()
+
+
+def note_usage(request: web.Request, usage: Usage, finishes: list) -> None:
+    """The request log's token counts (frontends/request_log.py), once every choice has finished."""
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    note(request, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+         cached_tokens=cached, finish_reasons=[finish_reason(f) for f in finishes])

@@ -30,6 +30,7 @@ from frontends.openapi import openapi_document
 from frontends.reply import reply
 from frontends.request_id import HEADER as REQUEST_ID
 from frontends.request_id import new_request_id
+from frontends.request_log import note, request_log_middleware
 
 log = logging.getLogger("loraplex.http")
 DASHBOARD = (Path(__file__).parent / "dashboard.html").read_text()
@@ -40,8 +41,9 @@ class OpenAIServer:
     models, adapter loading (admin), health, metrics and the OpenAPI document. Every JSON answer is an
     api_responses struct."""
 
-    def __init__(self, client: AsyncEngineClient, auth: Auth, stream_timeout: float = 60.0):
-        self.client = client
+    def __init__(self, client: AsyncEngineClient, auth: Auth, stream_timeout: float = 60.0, log_requests: bool = False):
+        """log_requests: one JSON line per POST /v1/* request (frontends/request_log.py)."""
+        self.client, self.log_requests = client, log_requests
         self.headers = {"X-Loraplex-Frontend": client.client_id}
         self.auth = auth
         tokenizer, labels = load_tokenizer(client.status.model_path), metrics.AdapterLabels()
@@ -50,7 +52,8 @@ class OpenAIServer:
         self.document = openapi_document(secured=auth.enabled)
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[error_middleware(self.auth)], client_max_size=8 << 20)
+        logged = [request_log_middleware()] if self.log_requests else []
+        app = web.Application(middlewares=[*logged, error_middleware(self.auth)], client_max_size=8 << 20)
         app.on_response_prepare.append(self.tag_response)
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat),
@@ -88,6 +91,7 @@ class OpenAIServer:
     async def load_adapter(self, request: web.Request) -> web.Response:
         self.require_admin(request)
         req = await api_requests.read(request, LoadLoraRequest)
+        note(request, adapter=req.lora_name)
         await self.client.until_healthy()
         await self.client.load_adapter(req.lora_name, req.lora_path or "", bool(req.pinned))
         return reply(r.StatusReply(status="ok", message=f"adapter {req.lora_name!r} loaded"))
@@ -95,6 +99,7 @@ class OpenAIServer:
     async def unload_adapter(self, request: web.Request) -> web.Response:
         self.require_admin(request)
         name = (await api_requests.read(request, UnloadLoraRequest)).lora_name
+        note(request, adapter=name)
         await self.client.until_healthy()
         await self.client.unload_adapter(name)
         return reply(r.StatusReply(status="ok", message=f"adapter {name!r} unloaded"))
@@ -141,11 +146,11 @@ class OpenAIServer:
 
 async def serve(engine_address: str, host: str, port: int, auth: Auth, frontend_id: str,
                 stream_timeout: float = 60.0, stream_buffer: int = MAX_BUFFERED,
-                shutdown_timeout: float = 30.0) -> None:
+                shutdown_timeout: float = 30.0, log_requests: bool = False) -> None:
     """Serve until SIGTERM / SIGINT; then stop listening and give running requests `shutdown_timeout`
     seconds to finish (aiohttp's graceful shutdown) before closing."""
     client = await AsyncEngineClient(engine_address, frontend_id, stream_buffer).connect(timeout=600)
-    server = OpenAIServer(client, auth, stream_timeout)
+    server = OpenAIServer(client, auth, stream_timeout, log_requests)
     # handler_cancellation: a client that goes away cancels its handler, which aborts its engine requests
     # (also for non-streamed requests, which write nothing until they finish)
     runner = web.AppRunner(server.app(), access_log=None, handle_signals=False, handler_cancellation=True,
@@ -173,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-timeout", type=float, default=60.0)
     p.add_argument("--stream-buffer", type=int, default=MAX_BUFFERED)
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
+    p.add_argument("--enable-log-requests", action="store_true")
     args = p.parse_args(argv)
     tokenizer_only()      # this process never computes: its tokenizer loads without torch
     auth = parse_auth(envs.auth_config(), envs.api_key(), envs.ingress_metrics_key())
@@ -180,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s {args.frontend_id} %(levelname)s %(message)s")
     import uvloop
     uvloop.run(serve(args.engine_address, args.host, args.port, auth, args.frontend_id, args.stream_timeout,
-                     args.stream_buffer, args.shutdown_timeout))
+                     args.stream_buffer, args.shutdown_timeout, args.enable_log_requests))
     return 0
 
 

@@ -80,9 +80,11 @@ class Child:
 
 def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, frontends: int,
           api_key: str | None, loading: dict | None = None, auth: dict | None = None,
-          streaming: tuple[float, int] = (60.0, 1024), *, shutdown_timeout: float = 30.0) -> int:
+          streaming: tuple[float, int] = (60.0, 1024), *, shutdown_timeout: float = 30.0,
+          log_requests: bool = False) -> int:
     """loading: {"lora_roots": [...], "runtime_lora": bool}, the runtime adapter loading rules; streaming:
-    (--stream-timeout, --stream-buffer) of the frontends; shutdown_timeout: see `stop_all`."""
+    (--stream-timeout, --stream-buffer) of the frontends; shutdown_timeout: see `stop_all`; log_requests:
+    the frontends' --enable-log-requests."""
     run_dir = Path(tempfile.mkdtemp(prefix="loraplex-"))
     prom_dir = run_dir / "metrics"
     prom_dir.mkdir()
@@ -114,7 +116,8 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
     fronts = [Child(f"frontend-{i}", [py, "-m", "frontends.http_server", "--engine-address", address, "--host", host,
                                       "--port", str(port), "--frontend-id", f"http-{i}",
                                       "--stream-timeout", str(streaming[0]), "--stream-buffer", str(streaming[1]),
-                                      "--shutdown-timeout", str(shutdown_timeout)], env)
+                                      "--shutdown-timeout", str(shutdown_timeout),
+                                      *(["--enable-log-requests"] if log_requests else [])], env)
               for i in range(frontends)]
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -3,6 +3,7 @@
 tenant, a bounded tenant label on the metrics, and --api-key kept as one admin key."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import openai
@@ -36,7 +37,8 @@ def server(served_adapters, tmp_path_factory):
         shutil.copytree(src / "r4-qv", d / "adapters" / name)
     (d / "loraplex.toml").write_text(CONFIG)
     s = Server("--adapter-dir", str(d / "adapters"), "--frontends", "1", "--config", str(d / "loraplex.toml"),
-               "--api-key", "sk-legacy", "--lora-roots", str(src), "--metrics-key", "sk-scraper")
+               "--api-key", "sk-legacy", "--lora-roots", str(src), "--metrics-key", "sk-scraper",
+               "--enable-log-requests")
     yield s, src
     assert s.stop() == 0
 
@@ -97,6 +99,46 @@ def test_load_and_unload_need_an_admin_key(server):
         r = requests.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "acme-2"},
                           headers={"Authorization": f"Bearer {key}"})
         assert r.status_code == 200, r.text
+
+
+def test_the_request_log_has_a_line_per_request_with_its_tenant_tokens_and_refusal(server):
+    """--enable-log-requests: one JSON line per POST /v1/* request, once its answer is sent; never its text."""
+    s, src = server
+    acme, beta = client(s, "sk-acme-1"), client(s, "sk-beta-1")
+    acme.completions.create(model="acme-1", prompt="A secret prompt", max_tokens=3, extra_body={"ignore_eos": True},
+                            extra_headers={"X-Request-Id": "log-1"})
+    list(acme.completions.create(model="shared-1", prompt="Hi", max_tokens=2, stream=True,
+                                 extra_body={"ignore_eos": True}, extra_headers={"X-Request-Id": "log-2"}))
+    with pytest.raises(openai.NotFoundError):
+        beta.completions.create(model="acme-1", prompt="Hi", max_tokens=2, extra_headers={"X-Request-Id": "log-3"})
+    r = requests.post(s.url + "/v1/unload_lora_adapter", json={"lora_name": "no-such"},
+                      headers={"Authorization": "Bearer sk-admin-1", "X-Request-Id": "log-4"})
+    assert r.status_code == 404
+    with requests.post(s.url + "/v1/completions", stream=True, timeout=60,
+                       headers={"Authorization": "Bearer sk-acme-1", "X-Request-Id": "log-5"},
+                       json={"model": "acme-1", "prompt": "Hi", "max_tokens": 4000, "ignore_eos": True,
+                             "stream": True}) as gone:
+        next(gone.iter_lines())            # the stream began; then its client leaves
+
+    def records() -> dict[str, dict]:
+        out = {}
+        for line in list(s.lines):
+            if '"request_id":"log-' in line:
+                rec = json.loads(line[line.index("{"):])
+                out[rec["request_id"]] = rec
+        return out
+    assert wait_until(lambda: len(records()) == 5), "".join(s.lines[-20:])
+    got = records()
+    assert "client_gone" in (got["log-5"]["status"], got["log-5"].get("outcome")), got["log-5"]
+    assert "completion_tokens" not in got["log-5"]
+    one, two, three, four = (got[f"log-{i}"] for i in range(1, 5))
+    assert (one["tenant"], one["model"], one["status"], one["path"]) == ("acme", "acme-1", 200, "/v1/completions")
+    assert one["prompt_tokens"] > 0 and one["completion_tokens"] == 3 and one["finish_reasons"] == ["length"]
+    assert one["id"].startswith("cmpl-") and "ttft_s" not in one and one["seconds"] > 0
+    assert two["completion_tokens"] == 2 and 0 < two["ttft_s"] <= two["seconds"] and "outcome" not in two
+    assert (three["tenant"], three["status"]) == ("beta", 404) and "does not exist" in three["error"]
+    assert (four["tenant"], four["adapter"], four["status"]) == ("admin", "no-such", 404), four
+    assert not [line for line in s.lines if "secret" in line]
 
 
 def test_prefix_cache_reuse_never_crosses_tenants(server):
