@@ -112,6 +112,20 @@ class UnloadLoraRequest(msgspec.Struct, kw_only=True):
     lora_name: str
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    """POST /tokenize (vLLM's route): the token ids a generation would run on, exactly one of `prompt` (as
+    /v1/completions tokenizes it) and `messages` (through the chat template, as /v1/chat/completions does)."""
+    model: Annotated[str, Meta(min_length=1, description="the base model's name or an adapter's name")]
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    """POST /detokenize (vLLM's route): token ids back to text."""
+    model: Annotated[str, Meta(min_length=1, description="the base model's name or an adapter's name")]
+    tokens: list[TokenId]
+
+
 class DecodeFailure(ValueError):
     """A body that does not fit its type: `message` for the client, `param` the top-level field."""
 

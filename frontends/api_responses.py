@@ -174,6 +174,18 @@ class ModelList(_Shape, kw_only=True):
     data: list[Model]
 
 
+class TokenizeReply(_Shape, kw_only=True):
+    """POST /tokenize: the ids, their count and the model's context length (prompt + output must fit it)."""
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeReply(_Shape, kw_only=True):
+    """POST /detokenize."""
+    prompt: str
+
+
 class StatusReply(_Shape, kw_only=True):
     """/health and the adapter routes. `replicas` and `up`: behind the Ray Serve ingress, how many replicas
     it knows and how many answered."""

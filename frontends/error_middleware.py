@@ -1,11 +1,11 @@
 """Every answer of the HTTP frontend in OpenAI's error shape, and who is calling.
 
-The middleware notes the request's id (frontends/request_id.py: the caller's `X-Request-Id`, a 400 for one
-it cannot take), resolves the caller from its API key (401 on /v1/* and /dashboard without a valid one;
-frontends/auth.py), then turns what a handler raises into a JSON error: ApiError as it says, the engine's refusals with
-their status (a 404 for an adapter a tenant may not see reads as any unknown model; a 429 carries
-Retry-After), aiohttp's own 4xx (unknown route, method, a body too large), and a bug of ours as a logged
-500 (on a stream already started, aiohttp closes the connection instead).
+The middleware notes the request's id (frontends/request_id.py: the caller's `X-Request-Id`, a 400 for one it
+cannot take), resolves the caller from its API key (401 on /v1/*, /dashboard, /tokenize and /detokenize
+without a valid one; frontends/auth.py), then turns what a handler raises into a JSON error: ApiError as it
+says, the engine's refusals with their status (a 404 for an adapter a tenant may not see reads as any unknown
+model; a 429 carries Retry-After), aiohttp's own 4xx (unknown route, method, a body too large), and a bug of
+ours as a logged 500 (on a stream already started, aiohttp closes the connection instead).
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ from frontends.reply import reply
 from frontends.request_id import HEADER, new_request_id, request_id
 
 log = logging.getLogger("loraplex.http")
-DASHBOARD = "/dashboard"     # the one page outside /v1/ that needs a key (frontends/dashboard.html)
+DASHBOARD = "/dashboard"     # the page (frontends/dashboard.html), outside /v1/, needs a key as /v1/* does
+KEYED = (DASHBOARD, "/tokenize", "/detokenize")      # as do vLLM's tokenizer routes (frontends/tokenize_endpoint.py)
 RETRY_AFTER_S = 1     # what a 429 (the waiting queue full) tells the client to wait
 
 
@@ -46,7 +47,7 @@ def error_middleware(auth: Auth):
         try:
             note_request_id(request)
             caller = auth.caller(request.headers.get("Authorization", ""))
-            if (request.path.startswith("/v1/") or request.path == DASHBOARD) and caller is None:
+            if (request.path.startswith("/v1/") or request.path in KEYED) and caller is None:
                 raise ApiError(401, "missing or wrong API key", code="invalid_api_key")
             request["caller"] = caller or ANONYMOUS_ADMIN
             return await handler(request)

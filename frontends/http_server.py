@@ -31,6 +31,7 @@ from frontends.reply import reply
 from frontends.request_id import HEADER as REQUEST_ID
 from frontends.request_id import new_request_id
 from frontends.request_log import note, request_log_middleware
+from frontends.tokenize_endpoint import TokenizeEndpoints
 
 log = logging.getLogger("loraplex.http")
 DASHBOARD = (Path(__file__).parent / "dashboard.html").read_text()
@@ -49,6 +50,7 @@ class OpenAIServer:
         tokenizer, labels = load_tokenizer(client.status.model_path), metrics.AdapterLabels()
         self.completions = CompletionsEndpoint(client, tokenizer, labels, stream_timeout)
         self.chat = ChatEndpoint(client, tokenizer, labels, stream_timeout)
+        self.tokens = TokenizeEndpoints(self.completions, self.chat)
         self.document = openapi_document(secured=auth.enabled)
 
     def app(self) -> web.Application:
@@ -58,6 +60,7 @@ class OpenAIServer:
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat),
                         web.get("/v1/models", self.models),
+                        web.post("/tokenize", self.tokens.tokenize), web.post("/detokenize", self.tokens.detokenize),
                         web.post("/v1/load_lora_adapter", self.load_adapter),
                         web.post("/v1/unload_lora_adapter", self.unload_adapter),
                         web.get("/v1/pool", self.pool), web.get("/dashboard", self.dashboard),

@@ -54,8 +54,9 @@ def _traced(paths: dict) -> None:
 
 def openapi_document(secured: bool) -> dict:
     """The document. secured: the server was started with keys ([auth] or --api-key): /v1/* needs a bearer key."""
-    types = [q.CompletionRequest, q.ChatCompletionRequest, q.LoadLoraRequest, q.UnloadLoraRequest, r.Completion,
-             r.ChatCompletion, r.ChatCompletionChunk, r.ModelList, r.StatusReply, r.ErrorResponse, PoolReport]
+    types = [q.CompletionRequest, q.ChatCompletionRequest, q.LoadLoraRequest, q.UnloadLoraRequest,
+             q.TokenizeRequest, q.DetokenizeRequest, r.Completion, r.ChatCompletion, r.ChatCompletionChunk,
+             r.ModelList, r.StatusReply, r.TokenizeReply, r.DetokenizeReply, r.ErrorResponse, PoolReport]
     _, components = msgspec.json.schema_components(types, ref_template=_REF)
     admin = ("400", "401", "403", "404", "503")
     paths = {
@@ -64,6 +65,11 @@ def openapi_document(secured: bool) -> dict:
                                                     "ChatCompletionRequest", "ChatCompletionChunk")},
         "/v1/models": {"get": _operation("The base model and the adapters the caller may use", "ModelList",
                                          errors=("401",))},
+        "/tokenize": {"post": _operation("The token ids a generation would run on: a prompt as /v1/completions "
+                                         "tokenizes it, or messages through the chat template", "TokenizeReply",
+                                         "TokenizeRequest", errors=("400", "401", "404"))},
+        "/detokenize": {"post": _operation("Token ids back to text", "DetokenizeReply", "DetokenizeRequest",
+                                           errors=("400", "401", "404"))},
         "/v1/load_lora_adapter": {"post": _operation("Load (register) an adapter", "StatusReply",
                                                      "LoadLoraRequest", errors=admin)},
         "/v1/unload_lora_adapter": {"post": _operation("Unload an adapter", "StatusReply", "UnloadLoraRequest",

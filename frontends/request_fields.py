@@ -50,12 +50,12 @@ def max_tokens(req: Generation) -> tuple[str, int] | None:
     return None if req.max_tokens is None else ("max_tokens", req.max_tokens)
 
 
-def check_token_ids(ids: list[int], vocab_size: int) -> None:
-    """400 naming the first prompt token id outside the model's vocabulary (vocab_size 0: unknown, the
-    engine checks)."""
+def check_token_ids(ids: list[int], vocab_size: int, field: str = "prompt") -> None:
+    """400 naming the first token id of request field `field` outside the model's vocabulary (vocab_size 0:
+    unknown, the engine checks)."""
     bad = next((t for t in ids if vocab_size and t >= vocab_size), None)
     if bad is not None:
-        raise ApiError(400, f"token id {bad} is not in the model's vocabulary [0, {vocab_size})", "prompt")
+        raise ApiError(400, f"token id {bad} is not in the model's vocabulary [0, {vocab_size})", field)
 
 
 def check_length(req: Generation, prompt_len: int, limit: int, field: str, echo: bool) -> bool:

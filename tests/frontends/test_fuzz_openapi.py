@@ -35,7 +35,8 @@ PER_OPERATION = {op: n * SCALE for op, n in {"POST /v1/completions": 300, "POST 
 # per generation mode; the GETs take no input: 5 each
 RESPONSE = {"/v1/completions": r.Completion, "/v1/chat/completions": r.ChatCompletion,
             "/v1/models": r.ModelList, "/v1/load_lora_adapter": r.StatusReply,
-            "/v1/unload_lora_adapter": r.StatusReply, "/health": r.StatusReply, "/v1/pool": PoolReport}
+            "/v1/unload_lora_adapter": r.StatusReply, "/health": r.StatusReply, "/v1/pool": PoolReport,
+            "/tokenize": r.TokenizeReply, "/detokenize": r.DetokenizeReply}
 EVENT = {"/v1/completions": r.Completion, "/v1/chat/completions": r.ChatCompletionChunk}
 
 

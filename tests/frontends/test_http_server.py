@@ -301,6 +301,29 @@ def test_every_answer_carries_the_requests_id_the_callers_own_or_a_new_one(serve
     assert client.completions.create(model=BASE, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
 
 
+def test_tokenize_gives_the_ids_a_generation_runs_on_and_detokenize_reverses_them(server, client):
+    def post(path: str, body: dict, headers: dict = AUTH) -> requests.Response:
+        return requests.post(server.url + path, json=body, headers=headers)
+    r = post("/tokenize", {"model": BASE, "prompt": "Once upon a time"})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    done = client.completions.create(model=BASE, prompt="Once upon a time", max_tokens=1)
+    assert got["count"] == len(got["tokens"]) == done.usage.prompt_tokens and got["max_model_len"] >= 2048
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = post("/tokenize", {"model": "r4-qv", "messages": question}).json()      # an adapter: its base's tokenizer
+    answer = client.chat.completions.create(model=BASE, messages=question, max_tokens=1)
+    assert chat["count"] == answer.usage.prompt_tokens
+    assert post("/detokenize", {"model": BASE, "tokens": got["tokens"]}).json() == {"prompt": "Once upon a time"}
+    assert post("/tokenize", {"model": BASE, "prompt": "Hi"}, {}).status_code == 401
+    refused = [(post("/tokenize", {"model": "no-such", "prompt": "Hi"}), 404, "model"),
+               (post("/tokenize", {"model": BASE, "prompt": "Hi", "messages": question}), 400, "prompt"),
+               (post("/tokenize", {"model": BASE}), 400, "prompt"),
+               (post("/detokenize", {"model": BASE, "tokens": [1, 10 ** 9]}), 400, "tokens"),
+               (post("/detokenize", {"model": BASE, "tokens": [-1]}), 400, "tokens")]
+    for r, status, param in refused:
+        assert (r.status_code, r.json()["error"]["param"]) == (status, param), r.text
+
+
 def test_load_use_unload_adapter_over_http(server, client, served_adapters):
     _, src = served_adapters
     kw = dict(prompt="The weather today is", max_tokens=6, temperature=0)

@@ -136,7 +136,8 @@ def test_openai_client_completions_chat_and_streams(client):
         client.completions.create(model="tiny-r2", prompt="Hi", max_tokens=2, n=99)
 
 
-def test_the_ingress_answers_carry_the_requests_id(ray_server, client):
+def test_the_ingress_answers_carry_the_requests_id_and_tokenize_reaches_a_replica(ray_server, client):
+    assert requests.post(ray_server.url + "/tokenize", json={"model": "tiny-r2", "prompt": "Hi"}).json()["count"] > 0
     raw = client.completions.with_raw_response.create(model="tiny-r2", prompt="Hi", max_tokens=2,
                                                       extra_headers={"X-Request-Id": "ray-trace-1"})
     assert raw.headers["x-request-id"] == "ray-trace-1" and raw.headers["x-loraplex-replica"]

@@ -66,6 +66,12 @@ def test_a_tenant_sees_and_uses_only_its_own(server):
             acme.completions.create(model=model, prompt="Hi", max_tokens=2)
         messages[model] = e.value.body["message"].replace(model, "<model>")
     assert len(set(messages.values())) == 1, messages      # nothing tells another's adapter from none
+    for model in ("beta-1", "SmolLM2-135M-Instruct", "no-such-adapter"):         # nor does /tokenize
+        r = requests.post(s.url + "/tokenize", json={"model": model, "prompt": "Hi"},
+                          headers={"Authorization": "Bearer sk-acme-2"})
+        assert r.status_code == 404 and r.json()["error"]["message"].replace(model, "<model>") == messages[model]
+    assert requests.post(s.url + "/tokenize", json={"model": "acme-1", "prompt": "Hi"},
+                         headers={"Authorization": "Bearer sk-acme-2"}).json()["count"] > 0
     beta = client(s, "sk-beta-1")
     assert {m.id for m in beta.models.list().data} == {"SmolLM2-135M-Instruct", "beta-1"}
 
