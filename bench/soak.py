@@ -8,10 +8,10 @@ that none can be answered in full before its client leaves). Mid-run one fronten
 (at 30%), then the engine (at 60%); a client whose connection fails, before the answer or in the middle of
 a stream, sends its request again (up to 3 times). Afterwards every adapter is unloaded. Prints: requests
 sent, completed, errored (by cause), abandoned; pages at rest; the engine's RSS after warm-up and at the
-end; per tenant, the requests clients received in full and those /metrics counts as answered in full.
-Checks, exiting 1 if one fails: every request accounted for; every completed answer has exactly the tokens
-asked for; zero errors; the pool at zero pages; the engine's RSS within 10% of its warm-up; per tenant,
-/metrics equal to what the clients received.
+end; per tenant, the requests (and their completion tokens) clients received in full and those /metrics
+counts as answered in full. Checks, exiting 1 if one fails: every request accounted for; every completed
+answer has exactly the tokens asked for; zero errors; the pool at zero pages; the engine's RSS within 10% of
+its warm-up; per tenant, /metrics's requests and tokens equal to what the clients received.
 Usage: python -m bench.soak [--requests 10000] [--adapters 1000] [--concurrency 48] [--work DIR]
 """
 from __future__ import annotations
@@ -109,6 +109,7 @@ class Tally:
         self.outcomes: collections.Counter = collections.Counter()
         self.errors: collections.Counter = collections.Counter()
         self.by_tenant: collections.Counter = collections.Counter()   # completed, by tenant name
+        self.tokens_by_tenant: collections.Counter = collections.Counter()   # their completion tokens
         self.wrong: list[str] = []
         self.retries = 0
 
@@ -157,6 +158,7 @@ async def one(session, url: str, i: int, rng: random.Random, tally: Tally, n_ada
         tally.errors[detail] += 1
     if kind == "completed":
         tally.by_tenant[tenant] += 1
+        tally.tokens_by_tenant[tenant] += detail
 
 
 async def _send(session, url: str, body: dict, headers: dict, abandon: bool) -> tuple[str, object]:
@@ -255,7 +257,8 @@ async def run(args) -> int:
             elapsed = time.monotonic() - start
             text = await until_idle(session, server.url)
             rss["engine at the end"] = server.rss_mib("engine")
-            counted = {t: sample(text, "loraplex_tenant_requests_total", f'finish_reason="length",tenant="{t}"')
+            counted = {t: (sample(text, "loraplex_tenant_requests_total", f'finish_reason="length",tenant="{t}"'),
+                           sample(text, "loraplex_tenant_tokens_total", f'kind="completion",tenant="{t}"'))
                        for t in (*TENANTS, "admin")}
             names = await unload_all(session, server.url)
             text = await until_idle(session, server.url)
@@ -289,10 +292,10 @@ def report(args, tally: Tally, elapsed: float, rss: dict, counted: dict, pages: 
         print(f"  RSS {what}: {mib:.0f} MiB")
     growth = rss["engine at the end"] / rss["engine after restart and warm-up"] - 1
     print(f"  engine RSS growth since its warm-up: {100 * growth:+.1f}%")
-    agree = all(counted[t] == tally.by_tenant[t] for t in counted)
+    agree = all(counted[t] == (tally.by_tenant[t], tally.tokens_by_tenant[t]) for t in counted)
     for t in counted:
-        print(f"  tenant {t}: {tally.by_tenant[t]} received in full by clients, {counted[t]:.0f} answered in full "
-              f"by /metrics")
+        print(f"  tenant {t}: {tally.by_tenant[t]} received in full by clients ({tally.tokens_by_tenant[t]} tokens), "
+              f"{counted[t][0]:.0f} answered in full by /metrics ({counted[t][1]:.0f} tokens)")
     checks = {"every request accounted for": sum(o.values()) == args.requests,
               "no wrong token count": not tally.wrong, "pool at zero pages": pages == {"kv": 0, "adapter": 0},
               "engine RSS within 10%": abs(growth) <= 0.10, "metrics equal what clients received": agree,

@@ -48,6 +48,10 @@ SLOW_READERS = Counter("loraplex_slow_reader_aborts", "Streams aborted because t
 TENANT_REQUESTS = Counter("loraplex_tenant_requests", "Requests answered in full, by tenant (the configured tenants "
                           "and 'admin': a bounded label), counted once the answer's last byte was written; one per "
                           "choice", ["tenant", "finish_reason"])
+TENANT_TOKENS = Counter("loraplex_tenant_tokens", "Tokens of the answers loraplex_tenant_requests counts, by tenant "
+                        "and kind: 'prompt' (once per request), 'completion' (summed over its choices), 'cached' "
+                        "(prompt tokens found in the prefix cache): what a platform bills each tenant for",
+                        ["tenant", "kind"])
 
 TOP_ADAPTER_LABELS = 20
 

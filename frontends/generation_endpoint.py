@@ -132,13 +132,12 @@ class GenerationEndpoint(ABC):
         start = time.monotonic()
         done = await collect(gens, lambda out: self.observe(adapter, out.finish_reason, start))
         use = choices_usage([c.final for c in done], view.prompt_only)
-        note_usage(request, use, [c.final.finish_reason for c in done])
         choices = [(view.text(c.text, True), finish_reason(c.final.finish_reason),
                     view.logprobs(c.entries, c.prompt_logprobs, 0, True) if logprobs else None) for c in done]
         resp = web.Response(body=encode(self.answer(rid, model, choices, use)), content_type="application/json")
         await resp.prepare(request)
         await resp.write_eof()
-        self.delivered(request, [c.final.finish_reason for c in done])
+        self.delivered(request, [c.final.finish_reason for c in done], use)
         return resp
 
     async def stream(self, request, gens: Merged, rid: str, model: str, include_usage: bool, adapter,
@@ -172,11 +171,10 @@ class GenerationEndpoint(ABC):
                     if chunks.finish(i, out):
                         break
                 i, out = await gens.__anext__()
-            note_usage(request, choices_usage(chunks.finals, view.prompt_only), finishes)
             if include_usage:
                 await self.send(resp, sse.event(chunks.usage()))
             await self.send(resp, sse.DONE)
-            self.delivered(request, finishes)
+            self.delivered(request, finishes, choices_usage(chunks.finals, view.prompt_only))
         except EngineError as e:
             note(request, outcome="engine_error", error=str(e))
             try:
@@ -207,14 +205,14 @@ class GenerationEndpoint(ABC):
         metrics.REQUESTS.labels(self.labels(adapter), finish or "none").inc()
 
     @staticmethod
-    def delivered(request: web.Request, finishes: list) -> None:
-        """The whole answer (every choice) was written to the client: what its tenant's counter counts."""
+    def delivered(request: web.Request, finishes: list, usage: Usage) -> None:
+        """The whole answer (every choice) was written to the client: what its tenant's counters count, and
+        the request log's token counts (frontends/request_log.py)."""
+        tenant = request["caller"].name
         for finish in finishes:
-            metrics.TENANT_REQUESTS.labels(request["caller"].name, finish or "none").inc()
-
-
-def note_usage(request: web.Request, usage: Usage, finishes: list) -> None:
-    """The request log's token counts (frontends/request_log.py), once every choice has finished."""
-    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
-    note(request, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-         cached_tokens=cached, finish_reasons=[finish_reason(f) for f in finishes])
+            metrics.TENANT_REQUESTS.labels(tenant, finish or "none").inc()
+        cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+        for kind, n in (("prompt", usage.prompt_tokens), ("completion", usage.completion_tokens), ("cached", cached)):
+            metrics.TENANT_TOKENS.labels(tenant, kind).inc(n)
+        note(request, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+             cached_tokens=cached, finish_reasons=[finish_reason(f) for f in finishes])

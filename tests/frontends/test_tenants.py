@@ -173,13 +173,28 @@ def test_metrics_need_an_admin_or_metrics_key(server):
     assert r.status_code == 401, "a metrics key opens /metrics and nothing else"
 
 
-def test_metrics_carry_a_bounded_tenant_label(server):
+def test_metrics_carry_a_bounded_tenant_label_and_count_each_tenants_tokens(server):
     s, _ = server
+
+    def tokens() -> dict[str, float]:
+        text = requests.get(s.url + "/metrics", headers={"Authorization": "Bearer sk-admin-1"}).text
+        return {kind: metric(text, "loraplex_tenant_tokens_total", f'kind="{kind}",tenant="beta"')
+                for kind in ("prompt", "completion")}
     client(s, "sk-beta-1").completions.create(model="beta-1", prompt="Hi", max_tokens=2)
     text = requests.get(s.url + "/metrics", headers={"Authorization": "Bearer sk-admin-1"}).text
     tenants = {line.split('tenant="')[1].split('"')[0] for line in text.splitlines()
                if line.startswith("loraplex_tenant_requests_total{")}
     assert "beta" in tenants and tenants <= {"admin", "acme", "beta"}
+    before = tokens()
+    one = client(s, "sk-beta-1").completions.create(model="beta-1", prompt="Once upon a time", max_tokens=3, n=2,
+                                                    extra_body={"ignore_eos": True})
+    streamed = list(client(s, "sk-beta-1").chat.completions.create(
+        model="beta-1", messages=[{"role": "user", "content": "Hi"}], max_tokens=2, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    two = streamed[-1].usage
+    after = tokens()
+    assert after["completion"] - before["completion"] == one.usage.completion_tokens + two.completion_tokens == 8
+    assert after["prompt"] - before["prompt"] == one.usage.prompt_tokens + two.prompt_tokens
 
 
 @pytest.mark.parametrize("table, named", [("[auth]\nadmin_keys = 'sk'\n", "auth.admin_keys"),
