@@ -8,11 +8,14 @@
     adapters = ["acme-*", "shared-*"]    # glob patterns of adapter names this tenant may use
     base_model = false                   # may it use the base model (default true)
     max_waiting = 32                     # its own bound on queued requests (optional)
+    requests_per_minute = 600            # its rate limits (optional): a minute's worth at once, then this rate;
+    tokens_per_minute = 200000           # a request counts its prompt + max_tokens (or the context) x n
 
 With auth configured (an `[auth]` table, or `--api-key`, which is one admin key) every `/v1/*` call needs
 `Authorization: Bearer KEY` (a browser opening /dashboard may give the key as Basic credentials instead:
 any user name, the key as password). A tenant never learns what it may not use: an adapter outside its patterns
-is answered as one that does not exist.
+is answered as one that does not exist. Over a rate limit a request gets a 429 whose Retry-After says when it
+would be let in (the engine keeps the buckets: engine/serving/rate_limits.py).
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ import binascii
 import fnmatch
 import hmac
 from dataclasses import dataclass, field
+
+from ipc.requests import RateLimit
 
 ADMIN = "admin"
 
@@ -32,6 +37,16 @@ class Tenant:
     adapters: tuple[str, ...] = ()       # glob patterns
     base_model: bool = True
     max_waiting: int | None = None
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+
+    def rate(self, prompt_tokens: int, max_tokens: int | None, n: int, max_model_len: int) -> RateLimit | None:
+        """Its limits and what a request of `n` choices costs against them (max_tokens None: up to the
+        context); None when it has no limit."""
+        if not (self.requests_per_minute or self.tokens_per_minute):
+            return None
+        per_choice = prompt_tokens + (max_tokens if max_tokens is not None else max_model_len - prompt_tokens)
+        return RateLimit(self.requests_per_minute or 0, self.tokens_per_minute or 0, 1, n * per_choice)
 
     def may_use(self, adapter: str | None) -> bool:
         """adapter None is the base model."""
@@ -129,6 +144,12 @@ def _strings(value, where: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _positive(value, where: str) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{where} must be a positive integer")
+    return value
+
+
 def parse_auth(table: dict | None, api_key: str | None = None, ingress_key: str | None = None) -> Auth:
     """The `[auth]` table of the config file (None: absent), plus `--api-key` as one more admin key and the
     Ray ingress's metrics key (envs.ingress_metrics_key). ValueError naming the setting that is wrong."""
@@ -149,13 +170,11 @@ def parse_auth(table: dict | None, api_key: str | None = None, ingress_key: str 
         base = t.pop("base_model", True)
         if not isinstance(base, bool):
             raise ValueError(f"{where}.base_model must be true or false")
-        max_waiting = t.pop("max_waiting", None)
-        if max_waiting is not None and (isinstance(max_waiting, bool) or not isinstance(max_waiting, int)
-                                        or max_waiting < 1):
-            raise ValueError(f"{where}.max_waiting must be a positive integer")
+        bounds = {k: _positive(t.pop(k, None), f"{where}.{k}")
+                  for k in ("max_waiting", "requests_per_minute", "tokens_per_minute")}
         if t:
             raise ValueError(f"{where}: unknown setting(s) {', '.join(sorted(t))}")
-        tenants.append(Tenant(name, keys, patterns, base, max_waiting))
+        tenants.append(Tenant(name, keys, patterns, base, **bounds))
     if table:
         raise ValueError(f"auth: unknown setting(s) {', '.join(sorted(table))}")
     if len({t.name for t in tenants}) != len(tenants):

@@ -31,7 +31,7 @@ import zmq.asyncio
 from engine import metrics
 from ipc.outputs import AdapterReply, EngineStatus, PoolReply, RequestOutput, decode_outputs
 from ipc.pool_report import PoolReport
-from ipc.requests import AbortRequest, AdapterCommand, GenerateRequest, Hello, PoolQuery, encode_request
+from ipc.requests import AbortRequest, AdapterCommand, GenerateRequest, Hello, PoolQuery, RateLimit, encode_request
 from ipc.sampling_params import SamplingParams
 
 log = logging.getLogger("loraplex.client")
@@ -51,9 +51,11 @@ class _InFlight:
 
 
 class EngineError(RuntimeError):
-    def __init__(self, message: str, status: int = 500):
+    """A refusal or failure with its HTTP status; with a 429, `retry_after`: the seconds the engine asks for."""
+
+    def __init__(self, message: str, status: int = 500, retry_after: float = 0.0):
         super().__init__(message)
-        self.status = status
+        self.status, self.retry_after = status, retry_after
 
 
 class AsyncEngineClient:
@@ -195,9 +197,10 @@ class AsyncEngineClient:
                        cache_salt: str | None = None, stream: bool = True,
                        request_id: str | None = None, tenant: str = "",
                        max_waiting: int = 0, adapters: list[tuple[str, float]] | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
+                       rate: RateLimit | None = None) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs (text deltas) until the one with finish_reason. tenant / max_waiting:
-        who sent it and that tenant's own bound on its waiting requests (see GenerateRequest). Closing the
+        who sent it and that tenant's own bound on its waiting requests, rate: its rate limits and this
+        request's cost (see GenerateRequest). Closing the
         generator early (`contextlib.aclosing`, cancellation, a dropped HTTP client) or closing the client
         aborts the request in the engine. A request made while the engine restarts waits for it."""
         await self.until_healthy()
@@ -205,7 +208,7 @@ class AsyncEngineClient:
         q: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = q
         request = GenerateRequest(rid, prompt_token_ids, params, adapter, cache_salt, stream, tenant=tenant,
-                                  max_waiting=max_waiting, adapters=adapters)
+                                  max_waiting=max_waiting, adapters=adapters, rate=rate)
         self._inflight[rid] = _InFlight(request)
         finished = False
         try:
@@ -220,7 +223,7 @@ class AsyncEngineClient:
                     continue
                 if out.error is not None:
                     finished = True
-                    raise EngineError(out.error, out.status or 500)
+                    raise EngineError(out.error, out.status or 500, out.retry_after)
                 finished = out.finish_reason is not None
                 yield out
         finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 from aiohttp import web
 
@@ -60,7 +61,8 @@ def error_middleware(auth: Auth):
             message = str(e)
             if e.status == 404 and not request.get("caller", ANONYMOUS_ADMIN).is_admin:
                 message = no_such_model(request.get("model"))    # a tenant learns nothing of the server
-            headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status == 429 else None
+            wait = max(RETRY_AFTER_S, math.ceil(e.retry_after))     # a tenant's rate limit says how long
+            headers = {"Retry-After": str(wait)} if e.status == 429 else None
             return reply(ApiError(e.status, message).response(), e.status, headers)
         except web.HTTPException as e:       # no such route (404), method (405), a body too large (413)
             if e.status < 400:

@@ -92,11 +92,12 @@ class GenerationEndpoint(ABC):
         rid = f"{self.id_prefix}-{uuid.uuid4().hex}"
         note(request, id=rid)
         tenant = caller.tenant
+        rate = tenant.rate(len(ids), params.max_tokens, n, self.client.status.max_model_len) if tenant else None
         gens = Merged([self.client.generate(ids, choice_params(params, i), None if members else adapter, salt,
                                             stream=stream, request_id=rid if n == 1 else f"{rid}-{i}",
                                             tenant="" if tenant is None else tenant.name,
                                             max_waiting=(tenant.max_waiting or 0) if tenant else 0,
-                                            adapters=members)
+                                            adapters=members, rate=rate if i == 0 else None)   # the whole cost
                        for i in range(n)])
         if stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -32,6 +32,7 @@ class RequestOutput(msgspec.Struct, tag="out", **_STRUCT):
     logprobs: list[TokenLogprobs] = []   # one per token of token_ids, when the request asked for logprobs
     # in the first output, when the request asked for prompt_logprobs: one per prompt token, None first
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    retry_after: float = 0.0   # with a 429: seconds until the request would be let in (a tenant's rate limit)
 
 
 class AdapterReply(msgspec.Struct, tag="adapter", **_STRUCT):

@@ -11,6 +11,16 @@ from ipc.sampling_params import SamplingParams
 _STRUCT = dict(array_like=True, omit_defaults=True, gc=False, tag_field="t")
 
 
+class RateLimit(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A tenant's rate limits (0: none) and what one request costs against them: 1 request, and its prompt
+    plus the tokens it may generate, times its choices (engine/serving/rate_limits.py). A request of n choices
+    is n GenerateRequests; the first carries the whole cost, the others none."""
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+    requests: int = 0
+    tokens: int = 0
+
+
 class GenerateRequest(msgspec.Struct, tag="gen", **_STRUCT):
     """Generate from `prompt_token_ids` with the named adapter (None: the base model).
     `stream`: send each new piece of text as it is ready (else only the final output). A request resent
@@ -29,6 +39,7 @@ class GenerateRequest(msgspec.Struct, tag="gen", **_STRUCT):
     max_waiting: int = 0      # that tenant's own bound on its waiting requests (0: only the global one)
     adapters: list[tuple[str, float]] | None = None   # several adapters, each times its weight, instead of
     # `adapter` (engine/lora/compose.py)
+    rate: RateLimit | None = None   # its tenant's rate limits and this request's cost (None: not limited)
 
 
 class AbortRequest(msgspec.Struct, tag="abort", **_STRUCT):

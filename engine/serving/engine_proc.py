@@ -35,6 +35,7 @@ from engine.serving.adapter_commands import AdapterCommands
 from engine.serving.adapter_journal import AdapterJournal
 from engine.serving.engine_stats import EngineStatsPublisher
 from engine.serving.pool_view import PoolView
+from engine.serving.rate_limits import RateLimits, RateRefusal
 from engine.serving.request_routes import RequestRoutes
 from ipc.outputs import EngineStatus, PoolReply, RequestOutput, encode_outputs
 from ipc.requests import AbortRequest, AdapterCommand, GenerateRequest, Hello, PoolQuery, decode_request
@@ -54,6 +55,7 @@ class AsyncEngine:
         self.runtime_lora = runtime_lora
         self.journal = AdapterJournal(state_file) if state_file else None
         self.max_waiting = max_waiting            # requests waiting beyond it are refused at once (429)
+        self.rates = RateLimits()                 # tenants' requests_per_minute / tokens_per_minute (429)
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="loraplex-engine")
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.send_q: asyncio.Queue = asyncio.Queue()
@@ -231,6 +233,11 @@ class AsyncEngine:
         full = None if req.resumed else self.over_limit(req)     # a resent request keeps its place
         if full is not None:
             return await self.refuse(identity, req.request_id, full, 429)
+        rate = None if req.resumed else req.rate                  # and was charged before
+        try:
+            self.rates.check(req.tenant, rate)
+        except RateRefusal as e:
+            return await self.refuse(identity, req.request_id, str(e), e.status, e.retry_after)
         try:
             if req.adapters:                        # its count and scales before any folder is read
                 check_members(req.adapters, self.core.cfg.lora.max_adapters_per_request)
@@ -241,14 +248,16 @@ class AsyncEngine:
             return await self.refuse(identity, req.request_id, str(e.args[0]) if e.args else str(e), 404)
         except ValueError as e:
             return await self.refuse(identity, req.request_id, str(e), 400)
+        self.rates.charge(req.tenant, rate)
         for name in [req.adapter] + [n for n, _ in req.adapters or ()]:
             self.pool_view.note_request(name)
         self.routes.add(req.request_id, identity, req.stream)
         self.processor.add(req.request_id, req.prompt_token_ids, req.params.stop,
                            req.params.include_stop_str_in_output, req.resumed, req.resumed_chars)
 
-    async def refuse(self, identity: bytes, request_id: str, error: str, status: int) -> None:
-        await self.send_q.put((identity, RequestOutput(request_id, finish_reason="abort", error=error, status=status)))
+    async def refuse(self, identity: bytes, request_id: str, error: str, status: int, retry_after: float = 0.0) -> None:
+        await self.send_q.put((identity, RequestOutput(request_id, finish_reason="abort", error=error, status=status,
+                                                       retry_after=retry_after)))
 
     async def broadcast_status(self) -> EngineStatus:
         """Tell every frontend now (adapters changed), not at the next heartbeat."""

@@ -25,6 +25,11 @@ max_waiting = 32                     # its own bound on queued requests (optiona
 name = "beta"
 keys = ["sk-beta-1"]
 adapters = ["beta-*"]
+[[auth.tenants]]
+name = "metered"
+keys = ["sk-metered-1"]
+requests_per_minute = 3
+tokens_per_minute = 5000
 '''
 LONG = "Describe the history of the city of Lyon in detail, from the Roman era to the present day. " * 3
 
@@ -147,6 +152,26 @@ def test_the_request_log_has_a_line_per_request_with_its_tenant_tokens_and_refus
     assert not [line for line in s.lines if "secret" in line]
 
 
+def test_a_tenant_over_its_rate_limits_gets_429_saying_when_to_retry(server):
+    """requests_per_minute 3, tokens_per_minute 5000: a minute's worth at once, then a 429 whose Retry-After
+    is the bucket's refill time; a request larger than the token limit is a 400 (it could never run); n
+    choices are one request, their tokens counted n times."""
+    s, _ = server
+    metered = client(s, "sk-metered-1")
+    out = metered.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2, n=2)
+    assert len(out.choices) == 2                                   # one request (two choices)
+    with pytest.raises(openai.BadRequestError, match="more than tenant 'metered'.s tokens_per_minute"):
+        metered.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=3000, n=2)
+    for _ in range(2):
+        metered.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2)
+    r = requests.post(s.url + "/v1/completions", headers={"Authorization": "Bearer sk-metered-1"},
+                      json={"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 2})
+    assert r.status_code == 429 and "requests_per_minute (3)" in r.json()["error"]["message"], r.text
+    assert 1 <= int(r.headers["Retry-After"]) <= 20                # a request's refill: 60 s / 3
+    beta = client(s, "sk-beta-1")                                  # the others are not limited
+    assert beta.completions.create(model="beta-1", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+
+
 def test_prefix_cache_reuse_never_crosses_tenants(server):
     s, _ = server
     def cached(key, model):
@@ -184,7 +209,7 @@ def test_metrics_carry_a_bounded_tenant_label_and_count_each_tenants_tokens(serv
     text = requests.get(s.url + "/metrics", headers={"Authorization": "Bearer sk-admin-1"}).text
     tenants = {line.split('tenant="')[1].split('"')[0] for line in text.splitlines()
                if line.startswith("loraplex_tenant_requests_total{")}
-    assert "beta" in tenants and tenants <= {"admin", "acme", "beta"}
+    assert "beta" in tenants and tenants <= {"admin", "acme", "beta", "metered"}
     before = tokens()
     one = client(s, "sk-beta-1").completions.create(model="beta-1", prompt="Once upon a time", max_tokens=3, n=2,
                                                     extra_body={"ignore_eos": True})
@@ -199,7 +224,9 @@ def test_metrics_carry_a_bounded_tenant_label_and_count_each_tenants_tokens(serv
 
 @pytest.mark.parametrize("table, named", [("[auth]\nadmin_keys = 'sk'\n", "auth.admin_keys"),
                                           ("[[auth.tenants]]\nname = 'x'\n", "auth.tenants[0].keys"),
-                                          ("[[auth.tenants]]\nname = 'x'\nkeys = ['k']\nquota = 3\n", "quota")])
+                                          ("[[auth.tenants]]\nname = 'x'\nkeys = ['k']\nquota = 3\n", "quota"),
+                                          ("[[auth.tenants]]\nname = 'x'\nkeys = ['k']\ntokens_per_minute = 0\n",
+                                           "auth.tenants[0].tokens_per_minute")])
 def test_a_bad_auth_table_is_refused_naming_the_setting(tmp_path, table, named):
     import subprocess
     import sys
