@@ -44,8 +44,13 @@ def ingress_metrics_key() -> str | None:
 
 
 def auth_config() -> dict | None:
-    """The `[auth]` table of the config file, as JSON in $LORAPLEX_AUTH (set by `loraplex serve`)."""
+    """The `[auth]` table of the config file: as JSON in the file $LORAPLEX_AUTH_FILE names (written by `loraplex
+    serve`, and again at each reload: SIGHUP), else in $LORAPLEX_AUTH."""
     import json
+    path = os.environ.get("LORAPLEX_AUTH_FILE")
+    if path:
+        with open(path) as f:
+            return json.load(f)
     value = os.environ.get("LORAPLEX_AUTH")
     return json.loads(value) if value else None
 

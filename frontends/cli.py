@@ -87,10 +87,9 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
     loading = {"lora_roots": args.lora_roots or [], "runtime_lora": not args.disable_runtime_lora,
                "max_waiting": args.max_waiting}
-    if args.metrics_key:                               # one more metrics key, beside the [auth] table's
-        table = dict(args.auth or {})
-        args.auth = {**table, "metrics_keys": [*table.get("metrics_keys", []), args.metrics_key]}
+    args.auth = _with_metrics_key(args.auth, args.metrics_key)
     parse_auth(args.auth, args.api_key)                # a bad [auth] table stops here, naming the setting
+    source = (lambda: _with_metrics_key(_read_auth(args.config), args.metrics_key)) if args.config else None
     if args.stream_timeout <= 0 or args.stream_buffer < 1:
         raise ValueError(f"--stream-timeout must be > 0 and --stream-buffer >= 1, got {args.stream_timeout} and "
                          f"{args.stream_buffer}")
@@ -98,7 +97,22 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     return serve(kwargs, args.adapter_dir, args.host, args.port, args.frontends, args.api_key, loading, args.auth,
                  (args.stream_timeout, args.stream_buffer), shutdown_timeout=args.shutdown_timeout,
-                 log_requests=args.enable_log_requests)
+                 log_requests=args.enable_log_requests, auth_source=source)
+
+
+def _with_metrics_key(table: dict | None, metrics_key: str | None) -> dict | None:
+    """The [auth] table with --metrics-key as one more metrics key, beside the table's own."""
+    if not metrics_key:
+        return table
+    table = dict(table or {})
+    return {**table, "metrics_keys": [*table.get("metrics_keys", []), metrics_key]}
+
+
+def _read_auth(path: str) -> dict | None:
+    """The config file's [auth] table as it is now (SIGHUP: frontends/auth_reload.py)."""
+    import tomllib
+    with open(path, "rb") as f:
+        return tomllib.load(f).get("auth")
 
 
 def _apply_config(parser: argparse.ArgumentParser, argv: list[str] | None) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -41,13 +42,14 @@ def note_request_id(request: web.Request) -> None:
         raise ApiError(400, str(e), code="invalid_request_id") from None
 
 
-def error_middleware(auth: Auth):
-    """The aiohttp middleware; it sets request["request_id"] and request["caller"] for the handlers."""
+def error_middleware(auth_now: Callable[[], Auth]):
+    """The aiohttp middleware; it sets request["request_id"] and request["caller"] for the handlers. auth_now:
+    the keys and tenants in force (a SIGHUP may replace them: frontends/auth_reload.py)."""
     @web.middleware
     async def errors(request: web.Request, handler):
         try:
             note_request_id(request)
-            caller = auth.caller(request.headers.get("Authorization", ""))
+            caller = auth_now().caller(request.headers.get("Authorization", ""))
             if (request.path.startswith("/v1/") or request.path in KEYED) and caller is None:
                 raise ApiError(401, "missing or wrong API key", code="invalid_api_key")
             request["caller"] = caller or ANONYMOUS_ADMIN

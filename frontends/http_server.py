@@ -53,9 +53,21 @@ class OpenAIServer:
         self.tokens = TokenizeEndpoints(self.completions, self.chat)
         self.document = openapi_document(secured=auth.enabled)
 
+    def reload_auth(self, quiet: bool = False) -> None:
+        """SIGHUP: the keys and tenants the launcher has written again (frontends/auth_reload.py); a table that
+        does not parse leaves the running one (the launcher checked it first)."""
+        try:
+            self.auth = load_auth()
+        except (ValueError, OSError) as e:
+            log.error("[auth] not reloaded, the running keys stay: %s", e)
+            return
+        self.document = openapi_document(secured=self.auth.enabled)
+        if not quiet:
+            log.info("[auth] reloaded: %d tenant(s)", len(self.auth.tenants))
+
     def app(self) -> web.Application:
         logged = [request_log_middleware()] if self.log_requests else []
-        app = web.Application(middlewares=[*logged, error_middleware(self.auth)], client_max_size=8 << 20)
+        app = web.Application(middlewares=[*logged, error_middleware(lambda: self.auth)], client_max_size=8 << 20)
         app.on_response_prepare.append(self.tag_response)
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat),
@@ -166,10 +178,17 @@ async def serve(engine_address: str, host: str, port: int, auth: Auth, frontend_
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, server.reload_auth)
+    server.reload_auth(quiet=True)       # a reload between this process's start and now was not heard
     await stop.wait()
     log.info("stopping: no new connections; running requests have %.0f s to finish", shutdown_timeout)
     await runner.cleanup()
     await client.close()
+
+
+def load_auth() -> Auth:
+    """The keys and tenants in force: the [auth] table the launcher wrote, --api-key, the Ray ingress's key."""
+    return parse_auth(envs.auth_config(), envs.api_key(), envs.ingress_metrics_key())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,8 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
     p.add_argument("--enable-log-requests", action="store_true")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)    # a reload before serve() takes over: this start reads the file
     tokenizer_only()      # this process never computes: its tokenizer loads without torch
-    auth = parse_auth(envs.auth_config(), envs.api_key(), envs.ingress_metrics_key())
+    auth = load_auth()
     logging.basicConfig(level=envs.log_level(),
                         format=f"%(asctime)s {args.frontend_id} %(levelname)s %(message)s")
     import uvloop

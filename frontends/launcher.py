@@ -6,7 +6,8 @@ the launcher, however it dies (frontends/lifetime.py), and a port another server
 frontend that dies is restarted. A dead engine is restarted too; the
 frontends reconnect by themselves and resend its in-flight requests (see frontends/engine_client.py).
 SIGINT / SIGTERM shut every process down cleanly: the frontends first, each finishing its running requests
-(up to --shutdown-timeout seconds) while the engine still serves them, then the engine.
+(up to --shutdown-timeout seconds) while the engine still serves them, then the engine. SIGHUP reads the
+config file's [auth] table again (frontends/auth_reload.py).
 """
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from frontends import ready
+from frontends.auth_reload import AuthFile
 from frontends.lifetime import die_with_parent, port_holder
 
 log = logging.getLogger("loraplex.serve")
@@ -81,18 +84,20 @@ class Child:
 def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, frontends: int,
           api_key: str | None, loading: dict | None = None, auth: dict | None = None,
           streaming: tuple[float, int] = (60.0, 1024), *, shutdown_timeout: float = 30.0,
-          log_requests: bool = False) -> int:
+          log_requests: bool = False, auth_source: Callable[[], dict | None] | None = None) -> int:
     """loading: {"lora_roots": [...], "runtime_lora": bool}, the runtime adapter loading rules; streaming:
     (--stream-timeout, --stream-buffer) of the frontends; shutdown_timeout: see `stop_all`; log_requests:
-    the frontends' --enable-log-requests."""
+    the frontends' --enable-log-requests; auth_source: the config file's [auth] table as it is now, read again
+    at SIGHUP (None: no config file)."""
     run_dir = Path(tempfile.mkdtemp(prefix="loraplex-"))
     prom_dir = run_dir / "metrics"
     prom_dir.mkdir()
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(prom_dir))
     if api_key:
         env["LORAPLEX_API_KEY"] = api_key
-    if auth:
-        env["LORAPLEX_AUTH"] = json.dumps(auth)
+    auth_file = AuthFile(run_dir / "auth.json", auth_source, api_key)
+    auth_file.write(auth)
+    env["LORAPLEX_AUTH_FILE"] = str(auth_file.path)
     address = f"ipc://{run_dir}/engine.sock"
     if port and (holder := port_holder(host, port)):
         print(f"loraplex: error: {host}:{port} is already served by {holder}; stop it or choose another --port",
@@ -122,6 +127,8 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
+    reload = threading.Event()
+    signal.signal(signal.SIGHUP, lambda *_: reload.set())
     try:
         engine.start()
         engine.wait_ready(900)
@@ -136,6 +143,9 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
         ready.announce(url=url, model=model, engine_address=address, pid=os.getpid(), engine_pid=engine.proc.pid,
                        frontend_pids=[f.proc.pid for f in fronts])
         while not stopping.wait(0.5):
+            if reload.is_set():
+                reload.clear()
+                reload_auth(auth_file, fronts)
             if engine.proc.poll() is not None:
                 print(f"loraplex: the engine exited with code {engine.proc.returncode}; restarting it", flush=True)
                 engine.start()
@@ -152,6 +162,19 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
     finally:
         stop_all(fronts, engine, shutdown_timeout)
         print("loraplex: stopped", flush=True)
+
+
+def reload_auth(auth_file: AuthFile, fronts: list[Child]) -> None:
+    """SIGHUP: the [auth] table read again, then each frontend told to take it (frontends/auth_reload.py)."""
+    try:
+        held = auth_file.reload()
+    except (ValueError, OSError) as e:
+        print(f"loraplex: [auth] not reloaded, the running keys stay: {e}", file=sys.stderr, flush=True)
+        return
+    for f in fronts:
+        if f.proc and f.proc.poll() is None:
+            f.proc.send_signal(signal.SIGHUP)
+    print(f"loraplex: [auth] reloaded: {held}", file=sys.stderr, flush=True)
 
 
 def stop_all(fronts: list[Child], engine: Child, shutdown_timeout: float) -> None:

@@ -1,0 +1,58 @@
+"""SIGHUP to `loraplex serve` reads the config file's [auth] table again (frontends/auth_reload.py): keys and
+tenants change in every frontend without a restart; a table it refuses is named and the running keys stay;
+a frontend restarted after a crash starts with the table in force. Tiny random Llama, two frontends."""
+from __future__ import annotations
+
+import os
+import signal
+
+import requests
+
+from tests.frontends.server_fixture import Server, wait_until
+
+BEFORE = '''
+[auth]
+admin_keys = ["sk-admin"]
+[[auth.tenants]]
+name = "old"
+keys = ["sk-old"]
+'''
+AFTER = '''
+[auth]
+admin_keys = ["sk-admin"]
+[[auth.tenants]]
+name = "new"
+keys = ["sk-new"]
+requests_per_minute = 1
+'''
+REFUSED = AFTER + "quota = 3\n"
+
+
+def test_sighup_reloads_the_keys_in_every_frontend_and_keeps_them_through_a_bad_table(tiny_served, tmp_path):
+    model, adapters = tiny_served
+    config = tmp_path / "loraplex.toml"
+    config.write_text(BEFORE)
+    s = Server("--model", str(model), "--dtype", "float32", "--frontends", "2", "--config", str(config))
+    try:
+        def status(key: str) -> int:      # a new connection each time: the port's two frontends take turns
+            return requests.post(s.url + "/v1/completions", headers={"Authorization": f"Bearer {key}",
+                                                                      "Connection": "close"},
+                                 json={"model": "model", "prompt": "Hi", "max_tokens": 2}).status_code
+
+        def everywhere(key: str, code: int) -> bool:
+            return all(status(key) == code for _ in range(8))
+        assert status("sk-old") == 200 and status("sk-new") == 401
+        config.write_text(AFTER)
+        os.kill(s.proc.pid, signal.SIGHUP)
+        assert wait_until(lambda: everywhere("sk-old", 401), timeout=30), "".join(s.lines[-20:])
+        assert status("sk-new") == 200 and status("sk-new") == 429       # and its rate limit came with it
+        config.write_text(REFUSED)
+        os.kill(s.proc.pid, signal.SIGHUP)
+        assert wait_until(lambda: any("[auth] not reloaded" in line and "quota" in line for line in s.lines))
+        assert everywhere("sk-old", 401) and everywhere("sk-admin", 200)
+        frontend = s.info["frontend_pids"][0]
+        os.kill(frontend, signal.SIGKILL)                # restarted by the launcher, from the table in force
+        assert wait_until(lambda: "restarting it" in "".join(s.lines), timeout=30)
+        assert wait_until(lambda: everywhere("sk-admin", 200) and everywhere("sk-old", 401), timeout=60)
+    finally:
+        assert s.stop() == 0
