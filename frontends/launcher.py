@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -89,7 +90,11 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
     (--stream-timeout, --stream-buffer) of the frontends; shutdown_timeout: see `stop_all`; log_requests:
     the frontends' --enable-log-requests; auth_source: the config file's [auth] table as it is now, read again
     at SIGHUP (None: no config file)."""
-    run_dir = Path(tempfile.mkdtemp(prefix="loraplex-"))
+    if port and (holder := port_holder(host, port)):
+        print(f"loraplex: error: {host}:{port} is already served by {holder}; stop it or choose another --port",
+              file=sys.stderr, flush=True)
+        return 1
+    run_dir = Path(tempfile.mkdtemp(prefix="loraplex-"))       # removed at the end (see below)
     prom_dir = run_dir / "metrics"
     prom_dir.mkdir()
     env = dict(os.environ, PROMETHEUS_MULTIPROC_DIR=str(prom_dir))
@@ -99,10 +104,6 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
     auth_file.write(auth)
     env["LORAPLEX_AUTH_FILE"] = str(auth_file.path)
     address = f"ipc://{run_dir}/engine.sock"
-    if port and (holder := port_holder(host, port)):
-        print(f"loraplex: error: {host}:{port} is already served by {holder}; stop it or choose another --port",
-              file=sys.stderr, flush=True)
-        return 1
     port = port or free_port(host)
     py = sys.executable
     engine_argv = [py, "-m", "engine.serving.engine_proc", "--address", address,
@@ -161,6 +162,7 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
         return 1
     finally:
         stop_all(fronts, engine, shutdown_timeout)
+        shutil.rmtree(run_dir, ignore_errors=True)     # its socket, metrics files, adapter journal, [auth] keys
         print("loraplex: stopped", flush=True)
 
 

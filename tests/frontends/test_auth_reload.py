@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import requests
 
@@ -56,3 +57,5 @@ def test_sighup_reloads_the_keys_in_every_frontend_and_keeps_them_through_a_bad_
         assert wait_until(lambda: everywhere("sk-admin", 200) and everywhere("sk-old", 401), timeout=60)
     finally:
         assert s.stop() == 0
+    run_dir = Path(s.engine_address.removeprefix("ipc://")).parent       # where auth.json held the keys
+    assert run_dir.name.startswith("loraplex-") and not run_dir.exists()
