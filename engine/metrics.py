@@ -30,6 +30,8 @@ ADAPTER_EVICTIONS = Counter("loraplex_adapter_evictions", "Adapters evicted from
 ADAPTER_COLD_STARTS = Counter("loraplex_adapter_cold_starts", "Requests that waited for their adapter to load")
 ADAPTER_HIT_RATE = Gauge("loraplex_adapter_hit_rate", "Share of adapter requests whose adapter was resident",
                          multiprocess_mode="mostrecent")
+RATE_LIMITED = Counter("loraplex_tenant_rate_limited", "Requests refused by their tenant's rate limit (429, or 400 "
+                       "for one larger than tokens_per_minute), by tenant and limit", ["tenant", "limit"])
 PREEMPTIONS = Counter("loraplex_preemptions", "Requests preempted when the pool ran out")
 FAILED_STEPS = Counter("loraplex_failed_steps", "Model steps that raised (their requests are then run one by one "
                        "to find the one that causes it)")

@@ -237,6 +237,7 @@ class AsyncEngine:
         try:
             self.rates.check(req.tenant, rate)
         except RateRefusal as e:
+            metrics.RATE_LIMITED.labels(req.tenant, e.limit).inc()
             return await self.refuse(identity, req.request_id, str(e), e.status, e.retry_after)
         try:
             if req.adapters:                        # its count and scales before any folder is read

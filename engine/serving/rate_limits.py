@@ -21,11 +21,12 @@ from ipc.requests import RateLimit
 
 
 class RateRefusal(Exception):
-    """Why a request may not run now: `status` 429 (retry after `retry_after` seconds) or 400 (it never fits)."""
+    """Why a request may not run now: `status` 429 (retry after `retry_after` seconds) or 400 (it never fits);
+    `limit`: which ("requests_per_minute" or "tokens_per_minute")."""
 
-    def __init__(self, message: str, status: int, retry_after: float = 0.0):
+    def __init__(self, message: str, status: int, limit: str, retry_after: float = 0.0):
         super().__init__(message)
-        self.status, self.retry_after = status, retry_after
+        self.status, self.limit, self.retry_after = status, limit, retry_after
 
 
 class _Bucket:
@@ -66,11 +67,12 @@ class RateLimits:
         for limit, per_minute, cost, bucket in self._limits(tenant, rate):
             if cost > per_minute:
                 raise RateRefusal(f"this request needs {cost} tokens (its prompt and max_tokens, times n), more "
-                                  f"than tenant {tenant!r}'s {limit} ({per_minute}): ask for fewer tokens", 400)
+                                  f"than tenant {tenant!r}'s {limit} ({per_minute}): ask for fewer tokens", 400,
+                                  limit)
             wait = bucket.wait(cost)
             if wait > 0:
                 raise RateRefusal(f"tenant {tenant!r} is over its {limit} ({per_minute}); retry in "
-                                  f"{wait:.1f} s", 429, wait)
+                                  f"{wait:.1f} s", 429, limit, wait)
 
     def charge(self, tenant: str, rate: RateLimit | None) -> None:
         """Take an admitted request's cost from `tenant`'s buckets."""

@@ -168,6 +168,9 @@ def test_a_tenant_over_its_rate_limits_gets_429_saying_when_to_retry(server):
                       json={"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 2})
     assert r.status_code == 429 and "requests_per_minute (3)" in r.json()["error"]["message"], r.text
     assert 1 <= int(r.headers["Retry-After"]) <= 20                # a request's refill: 60 s / 3
+    text = requests.get(s.url + "/metrics", headers={"Authorization": "Bearer sk-admin-1"}).text
+    assert metric(text, "loraplex_tenant_rate_limited_total", 'limit="requests_per_minute",tenant="metered"') == 1
+    assert metric(text, "loraplex_tenant_rate_limited_total", 'limit="tokens_per_minute",tenant="metered"') == 1
     beta = client(s, "sk-beta-1")                                  # the others are not limited
     assert beta.completions.create(model="beta-1", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
 
