@@ -7,7 +7,10 @@ The launcher keeps the table as JSON in one file of its run folder, which every 
 launcher reads the config file, checks the table as a frontend would (frontends/auth.py: a table it refuses
 is logged, naming the setting, and the running one stays), writes it whole (a new file renamed over the
 old: a frontend never reads half of one), then sends each frontend SIGHUP. `--api-key` and `--metrics-key`
-stay as given at the start. Other settings need a restart.
+stay as given at the start. Other settings need a restart. Only a server started with --config reloads: one
+without keeps SIGHUP's old meaning (a closed terminal stops it). With one, a closed terminal's SIGHUP (to every
+process) is a reload too: the engine ignores SIGHUP, and the launcher goes on draining its children's output
+where it has nowhere left to write it (launcher.say).
 """
 from __future__ import annotations
 

@@ -32,6 +32,15 @@ from frontends.lifetime import die_with_parent, port_holder
 log = logging.getLogger("loraplex.serve")
 
 
+def say(text: str, file=None, end: str = "\n") -> None:
+    """print, flushed, that never raises: after a SIGHUP from a closed terminal the server goes on (reloading
+    [auth]) with nowhere to write, and must not stop draining its children's output for that."""
+    try:
+        print(text, file=file or sys.stdout, end=end, flush=True)
+    except (OSError, ValueError):
+        pass
+
+
 def free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -58,7 +67,7 @@ class Child:
                 self.info = info
                 self.ready.set()
             else:
-                sys.stdout.write(line)
+                say(line, end="")        # drained even where the launcher's stdout is gone (a closed terminal)
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -129,7 +138,8 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
     reload = threading.Event()
-    signal.signal(signal.SIGHUP, lambda *_: reload.set())
+    if auth_source is not None:      # with a config file; without one, SIGHUP (a closed terminal) still stops it
+        signal.signal(signal.SIGHUP, lambda *_: reload.set())
     try:
         engine.start()
         engine.wait_ready(900)
@@ -148,10 +158,10 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
                 reload.clear()
                 reload_auth(auth_file, fronts)
             if engine.proc.poll() is not None:
-                print(f"loraplex: the engine exited with code {engine.proc.returncode}; restarting it", flush=True)
+                say(f"loraplex: the engine exited with code {engine.proc.returncode}; restarting it")
                 engine.start()
                 engine.wait_ready(900)
-                print("loraplex: engine restarted", flush=True)
+                say("loraplex: engine restarted")
             for f in fronts:
                 if f.proc.poll() is not None:
                     log.warning("%s exited with code %s; restarting it", f.name, f.proc.returncode)
@@ -171,12 +181,12 @@ def reload_auth(auth_file: AuthFile, fronts: list[Child]) -> None:
     try:
         held = auth_file.reload()
     except (ValueError, OSError) as e:
-        print(f"loraplex: [auth] not reloaded, the running keys stay: {e}", file=sys.stderr, flush=True)
+        say(f"loraplex: [auth] not reloaded, the running keys stay: {e}", file=sys.stderr)
         return
     for f in fronts:
         if f.proc and f.proc.poll() is None:
             f.proc.send_signal(signal.SIGHUP)
-    print(f"loraplex: [auth] reloaded: {held}", file=sys.stderr, flush=True)
+    say(f"loraplex: [auth] reloaded: {held}", file=sys.stderr)
 
 
 def stop_all(fronts: list[Child], engine: Child, shutdown_timeout: float) -> None:

@@ -305,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--state-file", default=None, help="JSON Lines journal of adapters loaded at run time "
                    "(registered again when a restarted engine starts)")
     args = p.parse_args(argv)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)     # nothing to reload here; the launcher decides (auth_reload)
     logging.basicConfig(level=envs.log_level(), format="%(asctime)s engine %(levelname)s %(message)s")
     try:      # a bad setting (flag or --config) is one line naming it, not a traceback
         EngineConfig.create(**json.loads(args.engine_args))

@@ -12,9 +12,11 @@ from frontends import ready
 
 
 class Server:
-    def __init__(self, *args: str, timeout: float = 600):
+    def __init__(self, *args: str, timeout: float = 600, new_session: bool = False):
+        """new_session: the server in a session (and process group) of its own, as a terminal would start it."""
         self.proc = subprocess.Popen([sys.executable, "-m", "frontends.cli", "serve", "--port", "0", *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=new_session)
         self.lines: list[str] = []
         self.info: dict | None = None           # the launcher's ready line (frontends/ready.py)
         self.ready = threading.Event()
