@@ -60,8 +60,6 @@ def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, p
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopping.set())
-    signal.signal(signal.SIGHUP, lambda *_: print("loraplex: SIGHUP ignored: with --replicas the [auth] table is "
-                                                 "read again only by a restart", file=sys.stderr, flush=True))
     gcs = None if ray_address else local_gcs(os.getpid())
     pids: dict[int, str] = {}      # every replica server's process seen, with its start time (pids are reused)
     directory = None
