@@ -25,7 +25,7 @@ from frontends.request_id import HEADER, new_request_id, request_id
 log = logging.getLogger("loraplex.http")
 DASHBOARD = "/dashboard"     # the page (frontends/dashboard.html), outside /v1/, needs a key as /v1/* does
 KEYED = (DASHBOARD, "/tokenize", "/detokenize")      # as do vLLM's tokenizer routes (frontends/tokenize_endpoint.py)
-RETRY_AFTER_S = 1     # what a 429 (the waiting queue full) tells the client to wait
+RETRY_AFTER_S = 1     # what a 429 tells the client to wait at least (a rate limit may say more)
 
 
 def no_such_model(model) -> str:

@@ -14,7 +14,8 @@ _REF = "#/components/schemas/{name}"
 _ERRORS = {"400": "the request is invalid (the error names the field)", "401": "missing or wrong API key",
            "403": "needs an admin key (or, for /metrics, a metrics key)",
            "404": "no such model or adapter, or not one the caller may use",
-           "429": "too many requests are waiting (see Retry-After)", "503": "the engine is unavailable"}
+           "429": "too many requests are waiting, or the tenant is over a rate limit (see Retry-After)",
+           "503": "the engine is unavailable"}
 
 
 def _json(ref: str, description: str) -> dict:
