@@ -7,6 +7,7 @@ Usage: python -m bench.serve_check [--device cuda] [--model DIR] [--dtype bfloat
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -70,6 +71,7 @@ def main() -> int:
         failed = check(url, cfg.name, names)
     finally:
         stop_server(proc)
+        shutil.rmtree(work, ignore_errors=True)
     for f in failed:
         print("FAILED:", f)
     print(f"serve_check on {args.device}: {'ok' if not failed else f'{len(failed)} failed'}")
