@@ -66,9 +66,9 @@ class RateLimits:
             return
         for limit, per_minute, cost, bucket in self._limits(tenant, rate):
             if cost > per_minute:
-                raise RateRefusal(f"this request needs {cost} tokens (its prompt and max_tokens, times n), more "
-                                  f"than tenant {tenant!r}'s {limit} ({per_minute}): ask for fewer tokens", 400,
-                                  limit)
+                raise RateRefusal(f"this request needs {cost} tokens (its prompt and max_tokens, or the rest of "
+                                  f"the context without one, times n), more than the {limit} of tenant {tenant!r} "
+                                  f"({per_minute}): set a lower max_tokens", 400, limit)
             wait = bucket.wait(cost)
             if wait > 0:
                 raise RateRefusal(f"tenant {tenant!r} is over its {limit} ({per_minute}); retry in "

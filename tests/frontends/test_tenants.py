@@ -160,7 +160,8 @@ def test_a_tenant_over_its_rate_limits_gets_429_saying_when_to_retry(server):
     metered = client(s, "sk-metered-1")
     out = metered.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2, n=2)
     assert len(out.choices) == 2                                   # one request (two choices)
-    with pytest.raises(openai.BadRequestError, match="more than tenant 'metered'.s tokens_per_minute"):
+    with pytest.raises(openai.BadRequestError,
+                       match=r"more than the tokens_per_minute of tenant 'metered' \(5000\): set a lower max_tokens"):
         metered.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=3000, n=2)
     for _ in range(2):
         metered.completions.create(model="SmolLM2-135M-Instruct", prompt="Hi", max_tokens=2)
