@@ -24,7 +24,8 @@ log = logging.getLogger("loraplex.requests")
 
 
 def note(request: web.Request, **fields) -> None:
-    """Add fields to the request's log line (a no-op unless the server logs requests: the dict is cheap)."""
+    """Add fields to the request's log line. Always kept (one small dict a request); written only where the
+    server logs requests."""
     request.setdefault("log", {}).update(fields)
 
 

@@ -20,8 +20,6 @@ from frontends.completions_endpoint import CompletionsEndpoint
 from frontends.error_middleware import no_such_model
 from frontends.reply import reply
 
-PATHS = ("/tokenize", "/detokenize")
-
 
 class TokenizeEndpoints:
     def __init__(self, completions: CompletionsEndpoint, chat: ChatEndpoint):
