@@ -35,10 +35,19 @@ log = logging.getLogger("loraplex.serve")
 def say(text: str, file=None, end: str = "\n") -> None:
     """print, flushed, that never raises: after a SIGHUP from a closed terminal the server goes on (reloading
     [auth]) with nowhere to write, and must not stop draining its children's output for that."""
+    stream = file or sys.stdout
     try:
-        print(text, file=file or sys.stdout, end=end, flush=True)
+        print(text, file=stream, end=end, flush=True)
     except (OSError, ValueError):
-        pass
+        _gone(stream)
+
+
+def _gone(stream) -> None:
+    """A standard stream that no longer takes writes (its terminal hung up) is replaced by os.devnull, so that
+    nothing written later fails, Python's own flush at exit included (it would turn exit status 0 into 120)."""
+    for name in ("stdout", "stderr"):
+        if getattr(sys, name) is stream:
+            setattr(sys, name, open(os.devnull, "w"))
 
 
 def free_port(host: str) -> int:
@@ -149,10 +158,10 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
             f.wait_ready(300)
         url = f"http://{host}:{port}"
         model = engine.info.get("model", engine_kwargs.get("model"))
-        print(f"loraplex: serving {model} at {url}/v1 ({frontends} frontend{'s' * (frontends != 1)}; engine pid "
-              f"{engine.proc.pid} at {address})", file=sys.stderr, flush=True)
-        ready.announce(url=url, model=model, engine_address=address, pid=os.getpid(), engine_pid=engine.proc.pid,
-                       frontend_pids=[f.proc.pid for f in fronts])
+        say(f"loraplex: serving {model} at {url}/v1 ({frontends} frontend{'s' * (frontends != 1)}; engine pid "
+            f"{engine.proc.pid} at {address})", file=sys.stderr)
+        say(ready.line(url=url, model=model, engine_address=address, pid=os.getpid(), engine_pid=engine.proc.pid,
+                       frontend_pids=[f.proc.pid for f in fronts]))
         while not stopping.wait(0.5):
             if reload.is_set():
                 reload.clear()
@@ -168,12 +177,12 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
                     f.start()
         return 0
     except RuntimeError as e:
-        print(f"loraplex: error: {e}", file=sys.stderr)
+        say(f"loraplex: error: {e}", file=sys.stderr)
         return 1
     finally:
         stop_all(fronts, engine, shutdown_timeout)
         shutil.rmtree(run_dir, ignore_errors=True)     # its socket, metrics files, adapter journal, [auth] keys
-        print("loraplex: stopped", flush=True)
+        say("loraplex: stopped")
 
 
 def reload_auth(auth_file: AuthFile, fronts: list[Child]) -> None:

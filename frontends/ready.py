@@ -15,9 +15,14 @@ import sys
 from collections.abc import Iterable
 
 
+def line(**info) -> str:
+    """The ready line with these fields."""
+    return json.dumps({"ready": True, **info})
+
+
 def announce(**info) -> None:
     """Print the ready line (stdout, flushed)."""
-    print(json.dumps({"ready": True, **info}), flush=True)
+    print(line(**info), flush=True)
 
 
 def parse(line: str) -> dict | None:
