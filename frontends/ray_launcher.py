@@ -11,6 +11,16 @@ from pathlib import Path
 # flags of `loraplex serve` that belong to the whole application, not to each replica's server
 APP_FLAGS = {"--replicas", "--ray-address", "--max-adapters-per-replica", "--host", "--port", "--frontends",
              "--replica-routing", "--replica-load-bound"}
+# the records of --enable-log-requests (frontends/request_log.py), which Ray must pass on whole
+REQUEST_RECORD = r'\{"request_id":'
+
+
+def keep_request_records() -> None:
+    """Ray's driver folds log lines of its workers that look alike (ids and numbers aside) into one line
+    "[repeated Nx across cluster]", which dropped whole records of the replicas' request logs. Exempt them
+    (RAY_DEDUP_LOGS_ALLOW_REGEX, beside any the user set; read when ray is first imported)."""
+    own = os.environ.get("RAY_DEDUP_LOGS_ALLOW_REGEX")
+    os.environ["RAY_DEDUP_LOGS_ALLOW_REGEX"] = f"(?:{own})|{REQUEST_RECORD}" if own else REQUEST_RECORD
 
 
 def replica_argv(argv: list[str]) -> list[str]:
@@ -35,6 +45,7 @@ def serve_on_ray(argv: list[str], replicas: int, max_adapters: int, host: str, p
     """Serve until SIGINT / SIGTERM; return only once every replica's processes are gone (each replica's
     server drains for up to `shutdown_timeout`, its --shutdown-timeout, before the launcher kills it)."""
     import sys
+    keep_request_records()
 
     import ray
     from ray import serve

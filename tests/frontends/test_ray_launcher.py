@@ -116,3 +116,21 @@ def test_a_cluster_stop_does_not_wait_for_a_replica_ray_serve_replaced(monkeypat
     assert d.undrained() == ["slow"]
     d.note_drained("slow")
     assert d.undrained() == []
+
+
+def test_ray_passes_request_records_on_whole_beside_the_users_own_exemption(monkeypatch):
+    """Ray's log deduplication must never fold away a record of --enable-log-requests; a pattern the user
+    exempted stays exempt."""
+    import re
+
+    from frontends import ray_launcher
+    record = '(ServeReplica pid=7) 2026-11-29 http-0 INFO {"request_id":"req_1","method":"POST"}'
+    for own, other in ((None, None), ("^keep me", "keep me whole")):
+        if own is None:
+            monkeypatch.delenv("RAY_DEDUP_LOGS_ALLOW_REGEX", raising=False)
+        else:
+            monkeypatch.setenv("RAY_DEDUP_LOGS_ALLOW_REGEX", own)
+        ray_launcher.keep_request_records()
+        allow = re.compile(os.environ["RAY_DEDUP_LOGS_ALLOW_REGEX"])
+        assert allow.search(record) and not allow.search("INFO -- CALL __call__ OK 5.0ms")
+        assert other is None or allow.search(other)

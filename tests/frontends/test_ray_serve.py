@@ -103,7 +103,8 @@ def ray_server(tiny_served, tmp_path_factory):
     roots = tmp_path_factory.mktemp("ray-roots")
     shutil.copytree(adapters / "tiny-r5", roots / "late-r5")
     s = RayServer("--model", str(model), "--dtype", "float32", "--adapter-dir", str(adapters), "--lora-roots",
-                  str(roots), "--kv-cache-memory-bytes", str(64 << 20), "--max-adapters-per-replica", "2")
+                  str(roots), "--kv-cache-memory-bytes", str(64 << 20), "--max-adapters-per-replica", "2",
+                  "--enable-log-requests")
     s.roots = roots
     assert s.info["replicas"] == 2 and s.info["pid"] == s.proc.pid
     yield s
@@ -148,6 +149,13 @@ def test_the_ingress_answers_carry_the_requests_id_and_tokenize_reaches_a_replic
     assert all(made) and made[0] != made[1] and "," not in made[0]       # Ray Serve's proxy makes them
     r = requests.get(ray_server.url + "/v1/models", headers={"X-Request-Id": "x" * 200})
     assert r.status_code == 400 and "X-Request-Id" in r.json()["error"]["message"], r.text
+    # the replica that served each one logged it under the caller's id (--enable-log-requests), and Ray passed
+    # those records on to the launcher's output whole (its log deduplication folded away the first one)
+    logged = lambda rid: [line for line in ray_server.lines if f'"request_id":"{rid}"' in line]   # noqa: E731
+    assert wait_until(lambda: logged("ray-trace-1") and logged("ray-stream-1"), timeout=30), \
+        [line for line in ray_server.lines if "request_id" in line]
+    assert all('"status":200' in logged(rid)[0] and '"model":"tiny-r2"' in logged(rid)[0]
+               for rid in ("ray-trace-1", "ray-stream-1")) and '"ttft_s"' in logged("ray-stream-1")[0]
 
 
 def test_an_adapters_requests_stay_on_one_replica(client):
