@@ -3,7 +3,7 @@ step-to-output loop body that the offline `LLM` and the engine process both run.
 
 A stop string is found here, after the core sampled the token: `step` aborts those requests in the core
 with reason "stop". Errors travel inside the outputs (`RequestOutput.error`, status 500: the engine, not
-the client, gave up on the request).
+the client, gave up on the request; 404 when the request's adapter failed to load).
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ class OutputProcessor:
                 stopped.append(o.request_id)
             results.append(RequestOutput(o.request_id, o.new_token_ids, text, reason, o.prompt_tokens,
                                          o.completion_tokens, o.cached_tokens, error=error,
-                                         status=500 if error else 0, logprobs=o.logprobs,
+                                         status=(o.status or 500) if error else 0, logprobs=o.logprobs,
                                          prompt_logprobs=o.prompt_logprobs))
             if reason is not None:
                 del self.detok[o.request_id]

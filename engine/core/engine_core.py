@@ -278,7 +278,8 @@ class EngineCore:
         return TokenOutput(req.request_id, [], "abort", req.num_prompt_tokens, 0, 0, error=error)
 
     def _finish_failed_loads(self) -> list[TokenOutput]:
-        """An adapter whose load failed (e.g. its files changed on disk) fails its waiting requests."""
+        """An adapter whose load failed (bad weights, or its files changed on disk) fails its waiting requests,
+        as a model that cannot be served (404), the status every later request for it gets too."""
         if self.adapters is None:
             return []
         results = []
@@ -286,5 +287,5 @@ class EngineCore:
             for req in [r for r in self.scheduler.waiting if r.adapter_id == adapter.adapter_id]:
                 self.abort(req.request_id)
                 results.append(TokenOutput(req.request_id, [], "abort", req.num_prompt_tokens, 0, 0,
-                                           error=f"adapter {adapter.name!r} failed to load: {error}"))
+                                           error=f"adapter {adapter.name!r} failed to load: {error}", status=404))
         return results

@@ -58,10 +58,14 @@ class AdapterCommands:
         return a.digest if a is not None else ""
 
     def names(self) -> list[str]:
-        """The adapters a client may name: those registered and those listed in --adapter-dir."""
-        registered = self.core.adapters.names() if self.core.adapters is not None else []
+        """The adapters a client may name: those registered and those listed in --adapter-dir, but for those
+        whose weights failed to load, while their files are unchanged (every request for them is a 404)."""
+        adapters = self.core.adapters
+        registered = set(adapters.names()) if adapters is not None else set()
         listed = self.catalog.names() if self.catalog is not None else set()
-        return sorted(listed.union(registered))
+        failed = {n for n in registered if (a := adapters.by_name[n]).error is not None
+                  and files_signature(a.path) == a.files.signature}
+        return sorted(listed.union(registered) - failed)
 
     def _listed_only(self, name: str) -> bool:
         adapters = self.core.adapters
