@@ -29,9 +29,18 @@ import zmq
 import zmq.asyncio
 
 from engine import metrics
-from ipc.outputs import AdapterReply, EngineStatus, PoolReply, RequestOutput, decode_outputs
+from ipc.outputs import AdapterReply, EngineStatus, PoolReply, RateSyncReply, RequestOutput, decode_outputs
 from ipc.pool_report import PoolReport
-from ipc.requests import AbortRequest, AdapterCommand, GenerateRequest, Hello, PoolQuery, RateLimit, encode_request
+from ipc.requests import (
+    AbortRequest,
+    AdapterCommand,
+    GenerateRequest,
+    Hello,
+    PoolQuery,
+    RateLimit,
+    RateSync,
+    encode_request,
+)
 from ipc.sampling_params import SamplingParams
 
 log = logging.getLogger("loraplex.client")
@@ -125,7 +134,7 @@ class AsyncEngineClient:
                         await self._overflowed(msg.request_id, q)
                     elif q is not None:
                         q.put_nowait(self._carry_on(msg))
-                elif isinstance(msg, AdapterReply | PoolReply):
+                elif isinstance(msg, AdapterReply | PoolReply | RateSyncReply):
                     fut = self._replies.pop(msg.command_id, None)
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
@@ -259,17 +268,24 @@ class AsyncEngineClient:
 
     async def pool_report(self) -> PoolReport:
         """The engine's pool and adapters now (ipc/pool_report.py), built between two of its steps."""
-        cid = f"{self.client_id}-pool-{next(self._ids)}"
+        return (await self._ask(PoolQuery(f"{self.client_id}-pool-{next(self._ids)}"), PoolReply)).report
+
+    async def rate_sync(self, others: dict[str, dict[str, float]] | None) -> RateSyncReply:
+        """Behind Ray Serve: give the engine the other replicas' rate-limit charges (None: none); -> its own."""
+        return await self._ask(RateSync(f"{self.client_id}-rates-{next(self._ids)}", others), RateSyncReply)
+
+    async def _ask(self, msg, want: type):
+        """Send a query with a command_id and wait (30 s at most) for the engine's answer of type `want`."""
         fut = asyncio.get_running_loop().create_future()
-        self._replies[cid] = fut
-        await self.sock.send(encode_request(PoolQuery(cid)))
+        self._replies[msg.command_id] = fut
+        await self.sock.send(encode_request(msg))
         try:
             reply = await asyncio.wait_for(fut, timeout=30)
         finally:
-            self._replies.pop(cid, None)
-        if not isinstance(reply, PoolReply):        # the engine restarted meanwhile
+            self._replies.pop(msg.command_id, None)
+        if not isinstance(reply, want):             # the engine restarted meanwhile
             raise EngineError(reply.error or "the engine did not answer", 503)
-        return reply.report
+        return reply
 
 
 class EngineClient:

@@ -6,7 +6,8 @@
   which adapters live on it (the engine itself loads them on first use), bounded by
   `max_adapters_per_replica`. The child gets SIGTERM when the replica's process dies.
 - `Directory`: where each replica's server listens, so that load / unload / models / health / metrics
-  reach every replica.
+  reach every replica; and what each replica's engine has charged its tenants' rate limits, which every
+  replica hands its own engine once a second (RATE_SYNC_S), so that a tenant's limits hold across replicas.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from frontends.engine_client import AsyncEngineClient
 from frontends.lifetime import die_with_parent
 
 DRAIN_ACK_S = 10.0      # after Directory.drain(), how long a live replica may take to say it is draining
+RATE_SYNC_S = 0.5       # how often each replica shares its engine's rate-limit charges (engine/serving/rate_limits.py)
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
@@ -42,6 +44,8 @@ class Directory:
         self.drain_at = 0.0                     # when (time.monotonic)
         self.acked: set[str] = set()            # replicas that have sent their server SIGTERM since
         self.drained: set[str] = set()          # replicas whose server has exited since
+        # (replica, engine incarnation) -> its engine's rate-limit charges since it started, cumulative
+        self.charges: dict[tuple[str, str], dict[str, dict[str, float]]] = {}
 
     def stop(self) -> None:
         self.stopping = True
@@ -89,6 +93,21 @@ class Directory:
     def all(self) -> dict[str, dict]:
         return dict(self.replicas)
 
+    def exchange_charges(self, name: str, incarnation: str, charged: dict[str, dict[str, float]]) -> dict:
+        """A replica's engine's rate-limit charges ({tenant: {limit: units}}, cumulative since it started) ->
+        every other engine's, summed: the other replicas', and those of engines and replicas gone since (what
+        they admitted still counts against the minute)."""
+        self.charges[(name, incarnation)] = charged
+        others: dict[str, dict[str, float]] = {}
+        for key, table in self.charges.items():
+            if key == (name, incarnation):
+                continue
+            for tenant, by in table.items():
+                theirs = others.setdefault(tenant, {})
+                for limit, units in by.items():
+                    theirs[limit] = theirs.get(limit, 0.0) + units
+        return others
+
 
 class _Replica:
     """One loraplex server per replica (see the module doc). Subclassed by `replica_deployment` to fix
@@ -111,6 +130,27 @@ class _Replica:
         pids = [self.proc.pid, info["engine_pid"], *info["frontend_pids"]]    # what must be gone at the end
         await directory.register.remote(self.name, {"url": self.url, "pid": os.getpid(), "model": self.model,
                                                     "pids": pids})
+        self._rates = asyncio.get_running_loop().create_task(self._share_rates(info["engine_address"]))
+
+    async def _share_rates(self, engine_address: str) -> None:
+        """Every RATE_SYNC_S: this replica's engine's rate-limit charges to the Directory, and the other engines'
+        back to it at once (engine/serving/rate_limits.py); a charge reaches the other engines within two
+        such rounds. A failed exchange (the engine restarting, the Directory replaced) is tried again at the
+        next one; the figures are cumulative, so none is lost."""
+        client, failing = None, False
+        while True:
+            await asyncio.sleep(RATE_SYNC_S)
+            try:
+                if client is None:
+                    client = await AsyncEngineClient(engine_address, f"replica-{self.name}-rates").connect(timeout=60)
+                mine = await client.rate_sync(None)
+                others = await self.directory.exchange_charges.remote(self.name, mine.incarnation, mine.charged)
+                await client.rate_sync(others)
+                failing = False
+            except Exception as e:  # noqa: BLE001 - a replica keeps serving; the next exchange catches up
+                if not failing and self.proc.poll() is None:
+                    print(f"loraplex replica {self.name}: rate limits not shared this time: {e}", flush=True)
+                failing = True
 
     async def _restore(self, engine_address: str, adapters: dict[str, dict]) -> None:
         """Before this replica serves: the adapters loaded at run time through the application (a replica

@@ -61,7 +61,15 @@ class PoolReply(msgspec.Struct, tag="pool", **_STRUCT):
     report: PoolReport
 
 
-EngineOutput = RequestOutput | AdapterReply | EngineStatus | PoolReply
+class RateSyncReply(msgspec.Struct, tag="rates", **_STRUCT):
+    """The answer to a RateSync: what this engine (`incarnation`) has charged its tenants' rate limits since
+    it started, cumulative ({tenant: {limit: units}})."""
+    command_id: str
+    incarnation: str
+    charged: dict[str, dict[str, float]] = {}
+
+
+EngineOutput = RequestOutput | AdapterReply | EngineStatus | PoolReply | RateSyncReply
 _decoder = msgspec.msgpack.Decoder(list[EngineOutput])
 _encoder = msgspec.msgpack.Encoder()
 

@@ -60,12 +60,20 @@ class PoolQuery(msgspec.Struct, tag="pool", **_STRUCT):
     command_id: str
 
 
+class RateSync(msgspec.Struct, tag="rates", **_STRUCT):
+    """Behind Ray Serve, twice a second from each replica: what the tenants' rate limits were charged on the
+    other replicas' engines, cumulative ({tenant: {limit: units}}, engine/serving/rate_limits.py; None: only
+    asking); answered by a RateSyncReply with this engine's own."""
+    command_id: str
+    others: dict[str, dict[str, float]] | None = None
+
+
 class Hello(msgspec.Struct, tag="hello", **_STRUCT):
     """A frontend announces itself; the engine answers with an EngineStatus and keeps it updated."""
     frontend_id: str
 
 
-EngineRequest = GenerateRequest | AbortRequest | AdapterCommand | PoolQuery | Hello
+EngineRequest = GenerateRequest | AbortRequest | AdapterCommand | PoolQuery | RateSync | Hello
 _decoder = msgspec.msgpack.Decoder(EngineRequest)
 _encoder = msgspec.msgpack.Encoder()
 

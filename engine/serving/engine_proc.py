@@ -37,8 +37,8 @@ from engine.serving.engine_stats import EngineStatsPublisher
 from engine.serving.pool_view import PoolView
 from engine.serving.rate_limits import RateLimits, RateRefusal
 from engine.serving.request_routes import RequestRoutes
-from ipc.outputs import EngineStatus, PoolReply, RequestOutput, encode_outputs
-from ipc.requests import AbortRequest, AdapterCommand, GenerateRequest, Hello, PoolQuery, decode_request
+from ipc.outputs import EngineStatus, PoolReply, RateSyncReply, RequestOutput, encode_outputs
+from ipc.requests import AbortRequest, AdapterCommand, GenerateRequest, Hello, PoolQuery, RateSync, decode_request
 
 log = logging.getLogger("loraplex.engine")
 FRONTEND_TIMEOUT = 5.0
@@ -215,6 +215,11 @@ class AsyncEngine:
             await self.send_q.put((identity, await self.adapter_ops.handle(msg)))
         elif isinstance(msg, PoolQuery):      # built between two steps: the engine thread runs one thing at a time
             await self.send_q.put((identity, PoolReply(msg.command_id, await self._run(self.pool_view.report))))
+        elif isinstance(msg, RateSync):       # behind Ray Serve: the replicas share their tenants' charges
+            if msg.others is not None:
+                self.rates.absorb(msg.others)
+            await self.send_q.put((identity, RateSyncReply(msg.command_id, self.incarnation,
+                                                           self.rates.charged_table())))
 
     def over_limit(self, req: GenerateRequest) -> str | None:
         """Why `req` cannot join the waiting queue now (the global or its tenant's bound), or None."""

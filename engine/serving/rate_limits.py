@@ -9,8 +9,16 @@ when every bucket holds its cost, and charged once admitted (a request refused f
 unknown adapter, costs nothing); otherwise it is refused with the seconds until it would fit. Requests
 checked while an adapter of an earlier one loads may all pass before that one is charged, so a bucket may
 dip below zero by such overlap; later requests then wait for it to refill. Buckets live in the engine
-process: an engine restart refills them, and behind Ray Serve (`--replicas N`) each replica's engine keeps
-its own, so a tenant may reach its limits on each replica.
+process: an engine restart refills them.
+
+Behind Ray Serve (`--replicas N`) each replica's engine keeps buckets too, and the replicas share what they
+charge: twice a second each replica takes its engine's own charges (`charged`) to the application's
+Directory and gives its engine the other engines' (`absorb`, cumulative, as the Directory sums them), so
+every bucket also pays for what the tenant ran elsewhere. A tenant's limits then hold across the replicas,
+up to what they admit within about a second (the time a charge takes to reach the others). Charges for a
+tenant an engine has no bucket for yet are kept PENDING_S seconds and replayed into its bucket when its
+first request comes; an engine's first exchange only sets where it starts counting (what ran before it
+started is past).
 """
 from __future__ import annotations
 
@@ -18,6 +26,8 @@ import time
 from collections.abc import Callable
 
 from ipc.requests import RateLimit
+
+PENDING_S = 60.0      # how long other replicas' charges wait for a tenant's first request here (a full refill)
 
 
 class RateRefusal(Exception):
@@ -42,6 +52,14 @@ class _Bucket:
         """Seconds until the bucket holds `cost` (0: now)."""
         return max(0.0, (cost - self.level) * 60.0 / self.per_minute)
 
+    def replay(self, charges: list[tuple[float, float]]) -> None:
+        """Charges (time, units), oldest first, made before this bucket existed: as if it had been full then."""
+        if charges:
+            self.level, self.at = float(self.per_minute), charges[0][0]
+        for at, units in charges:
+            level = min(float(self.per_minute), self.level + (at - self.at) * self.per_minute / 60.0) - units
+            self.level, self.at = max(level, -float(self.per_minute)), at
+
 
 class RateLimits:
     KINDS = (("requests_per_minute", "requests"), ("tokens_per_minute", "tokens"))
@@ -49,6 +67,9 @@ class RateLimits:
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
         self.buckets: dict[tuple[str, str], _Bucket] = {}
+        self.charged: dict[tuple[str, str], float] = {}     # (tenant, limit) -> units charged here, cumulative
+        self._seen: dict[tuple[str, str], float] | None = None       # others' cumulative charges taken (None: never)
+        self._pending: dict[tuple[str, str], list[tuple[float, float]]] = {}   # others' (time, units), no bucket yet
 
     def _limits(self, tenant: str, rate: RateLimit):
         """(the limit's name, its per-minute figure, this request's cost, its bucket, refilled to now) per limit set."""
@@ -56,7 +77,10 @@ class RateLimits:
         for limit, cost in self.KINDS:
             per_minute = getattr(rate, limit)
             if per_minute > 0:
-                bucket = self.buckets.setdefault((tenant, limit), _Bucket(per_minute, now))
+                bucket = self.buckets.get((tenant, limit))
+                if bucket is None:
+                    bucket = self.buckets[(tenant, limit)] = _Bucket(per_minute, now)
+                    bucket.replay(self._pending.pop((tenant, limit), []))
                 bucket.refill(per_minute, now)
                 yield limit, per_minute, getattr(rate, cost), bucket
 
@@ -78,5 +102,39 @@ class RateLimits:
         """Take an admitted request's cost from `tenant`'s buckets."""
         if rate is None or not tenant:
             return
-        for _, _, cost, bucket in self._limits(tenant, rate):
+        for limit, _, cost, bucket in self._limits(tenant, rate):
             bucket.level -= cost
+            self.charged[(tenant, limit)] = self.charged.get((tenant, limit), 0.0) + cost
+
+    def charged_table(self) -> dict[str, dict[str, float]]:
+        """What this engine has charged since it started: {tenant: {limit: units}} (RateSyncReply)."""
+        out: dict[str, dict[str, float]] = {}
+        for (tenant, limit), units in self.charged.items():
+            out.setdefault(tenant, {})[limit] = units
+        return out
+
+    def absorb(self, others: dict[str, dict[str, float]]) -> None:
+        """The other replicas' charges, cumulative ({tenant: {limit: units}}, a RateSync): what grew since the
+        last call is taken from the buckets here (or kept for a tenant without one yet), a bucket owing one
+        minute's worth at most. The first call sets the baseline; a figure lower than one seen before (the
+        Directory restarted) is not a refund."""
+        now = self.clock()
+        flat = {(t, limit): float(units) for t, by in others.items() for limit, units in by.items()}
+        if self._seen is None:
+            self._seen = flat
+            return
+        for key, units in flat.items():
+            grown = units - self._seen.get(key, 0.0)
+            if grown <= 0:
+                continue
+            self._seen[key] = units
+            bucket = self.buckets.get(key)
+            if bucket is not None:
+                bucket.refill(bucket.per_minute, now)
+                bucket.level = max(bucket.level - grown, -float(bucket.per_minute))     # owes a minute at most
+            else:
+                self._pending.setdefault(key, []).append((now, grown))
+        for key in list(self._pending):
+            self._pending[key] = [(at, u) for at, u in self._pending[key] if now - at < PENDING_S]
+            if not self._pending[key]:
+                del self._pending[key]

@@ -134,3 +134,18 @@ def test_ray_passes_request_records_on_whole_beside_the_users_own_exemption(monk
         allow = re.compile(os.environ["RAY_DEDUP_LOGS_ALLOW_REGEX"])
         assert allow.search(record) and not allow.search("INFO -- CALL __call__ OK 5.0ms")
         assert other is None or allow.search(other)
+
+
+def test_the_directory_sums_every_other_engines_rate_limit_charges():
+    """Each replica gets the charges of every other engine, those of a restarted engine's earlier
+    incarnation and of a replica gone since included; never its own."""
+    from frontends import ray_replica
+    d = ray_replica.Directory.func_or_class()
+    assert d.exchange_charges("a", "a1", {"acme": {"requests_per_minute": 2.0}}) == {}
+    assert d.exchange_charges("b", "b1", {"acme": {"requests_per_minute": 1.0}, "beta": {"tokens_per_minute": 50.0}}) \
+        == {"acme": {"requests_per_minute": 2.0}}
+    d.exchange_charges("a", "a2", {"acme": {"requests_per_minute": 5.0}})          # a's engine restarted
+    assert d.exchange_charges("a", "a2", {"acme": {"requests_per_minute": 6.0}}) == {
+        "acme": {"requests_per_minute": 3.0}, "beta": {"tokens_per_minute": 50.0}}
+    assert d.exchange_charges("c", "c1", {}) == {"acme": {"requests_per_minute": 9.0},
+                                                 "beta": {"tokens_per_minute": 50.0}}

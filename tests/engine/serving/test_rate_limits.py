@@ -60,3 +60,46 @@ def test_only_an_admitted_request_is_charged_and_both_limits_must_fit():
     admit(limits, "acme", rate)                    # refilled, never beyond a minute's worth
     with pytest.raises(RateRefusal):
         limits.check("acme", rate)
+
+
+def test_replicas_share_their_charges_so_a_limit_holds_across_them():
+    """Two engines behind Ray Serve, each told the other's cumulative charges (as the Directory sums them):
+    together they let in one minute's worth, not one each; the first exchange only sets a baseline."""
+    clock = Clock()
+    a, b = RateLimits(clock), RateLimits(clock)
+    rate = RateLimit(requests_per_minute=4, tokens_per_minute=1000, requests=1, tokens=100)
+    b.absorb({"acme": {"requests_per_minute": 50.0}})      # b's first exchange: what ran before it is past
+    admit(a, "acme", rate)
+    admit(a, "acme", rate)
+    admit(b, "acme", rate)
+    assert a.charged_table() == {"acme": {"requests_per_minute": 2.0, "tokens_per_minute": 200.0}}
+    a.absorb(b.charged_table())                            # a's baseline: b's one request is not taken
+    a.absorb({"acme": {"requests_per_minute": 1.0, "tokens_per_minute": 100.0}})    # unchanged: nothing
+    b.absorb({"acme": {"requests_per_minute": 52.0, "tokens_per_minute": 200.0}})   # a's two since
+    admit(b, "acme", rate)                                 # 4 - 1 - 2 = 1 left in b's bucket
+    with pytest.raises(RateRefusal, match="requests_per_minute"):
+        b.check("acme", rate)
+    a.absorb(b.charged_table())                            # b's second one (after a's baseline)
+    admit(a, "acme", rate)                                 # 4 - 2 (its own) - 1 = 1 left
+    with pytest.raises(RateRefusal):
+        a.check("acme", rate)
+    a.absorb({"acme": {"requests_per_minute": 1.0}})       # lower (the Directory restarted): no refund
+    with pytest.raises(RateRefusal):
+        a.check("acme", rate)
+    clock.now += 15.0                                      # one request's refill
+    admit(a, "acme", rate)
+
+
+def test_charges_for_a_tenant_not_seen_here_yet_wait_for_its_first_request():
+    clock = Clock()
+    limits, rate = RateLimits(clock), RateLimit(requests_per_minute=3, requests=1)
+    limits.absorb({})
+    limits.absorb({"acme": {"requests_per_minute": 3.0}})    # acme's whole minute, spent on another replica
+    clock.now += 10.0
+    with pytest.raises(RateRefusal, match=r"retry in 10.0 s"):  # as if its bucket had been full 10 s ago
+        limits.check("acme", rate)
+    limits.absorb({"acme": {"requests_per_minute": 3.0}, "beta": {"requests_per_minute": 3.0}})
+    clock.now += 61.0                                      # beta's pending charges are forgotten after a minute
+    limits.absorb({"acme": {"requests_per_minute": 3.0}, "beta": {"requests_per_minute": 3.0}})
+    for _ in range(3):
+        admit(limits, "beta", rate)
