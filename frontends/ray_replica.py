@@ -7,7 +7,7 @@
   `max_adapters_per_replica`. The child gets SIGTERM when the replica's process dies.
 - `Directory`: where each replica's server listens, so that load / unload / models / health / metrics
   reach every replica; and what each replica's engine has charged its tenants' rate limits, which every
-  replica hands its own engine once a second (RATE_SYNC_S), so that a tenant's limits hold across replicas.
+  replica hands its own engine twice a second (RATE_SYNC_S), so that a tenant's limits hold across replicas.
 """
 from __future__ import annotations
 
