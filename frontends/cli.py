@@ -1,4 +1,5 @@
-"""The `loraplex` command: `generate` (offline, one prompt) and `serve` (the HTTP server)."""
+"""The `loraplex` command: `generate` (offline, one prompt), `serve` (the HTTP server) and `run-batch` (a
+file in OpenAI's Batch API format through the server, frontends/run_batch.py)."""
 from __future__ import annotations
 
 import argparse
@@ -191,7 +192,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="e.g. 1.25: an adapter's requests leave its replica while that replica carries more than "
                         "this times the mean load, plus one (0, the default: always follow the adapter)")
     s.set_defaults(func=_serve, auth=None)
+    b = sub.add_parser("run-batch", help="run a file of requests in OpenAI's Batch API format (JSONL) through the "
+                                         "server; write one answer per line")
+    _engine_args(b)
+    b.add_argument("-i", "--input", required=True, help="the requests, one JSON object a line ('-': stdin)")
+    b.add_argument("-o", "--output", required=True, help="where the answers go, in the input's order ('-': stdout)")
+    b.add_argument("--max-concurrency", type=int, default=64, help="requests in flight at once")
+    b.set_defaults(func=_run_batch)
     return parser
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    from frontends.run_batch import run
+    return run(args)
 
 
 def serve_setting(serve_args: list[str], name: str):

@@ -8,6 +8,8 @@ import signal
 import threading
 from pathlib import Path
 
+from frontends.argv import drop_flags
+
 # flags of `loraplex serve` that belong to the whole application, not to each replica's server
 APP_FLAGS = {"--replicas", "--ray-address", "--max-adapters-per-replica", "--host", "--port", "--frontends",
              "--replica-routing", "--replica-load-bound"}
@@ -26,16 +28,8 @@ def keep_request_records() -> None:
 def replica_argv(argv: list[str]) -> list[str]:
     """The `serve` arguments each replica's server gets: the application's own flags removed, paths made
     absolute (replicas may run in another directory)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        name = a.split("=", 1)[0]
-        if name in APP_FLAGS:
-            skip = "=" not in a
-            continue
-        out.append(os.path.abspath(a) if not a.startswith("-") and os.path.exists(a) else a)
+    out = [os.path.abspath(a) if not a.startswith("-") and os.path.exists(a) else a
+           for a in drop_flags(argv, APP_FLAGS)]
     return [a for a in out if a != "serve"] + ["--replicas", "1"]      # also if a --config file says otherwise
 
 

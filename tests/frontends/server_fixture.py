@@ -50,6 +50,20 @@ class Server:
             return self.proc.wait()
 
 
+async def stub_server(*routes) -> tuple:
+    """A stand-in HTTP server on a free local port serving `routes` ((method, path, handler), ...):
+    (its aiohttp runner, to `cleanup()`; its URL)."""
+    from aiohttp import web
+    app = web.Application()
+    for method, path, handler in routes:
+        app.router.add_route(method, path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
 def metric(text: str, name: str, labels: str = "") -> float:
     """The value of one sample in Prometheus text output."""
     pattern = re.escape(name) + (r"\{" + re.escape(labels) + r"\}" if labels else r"(?:\{\})?") + r" (\S+)"

@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("ray.serve")
 
 from frontends.ray_app import HEADER, Ingress, replica_load  # noqa: E402
+from tests.frontends.server_fixture import stub_server  # noqa: E402
 
 JSON_HEAD = {"status": 200, "replica": "r0", "headers": {"Content-Type": "application/json"}}
 SSE_HEAD = {"status": 200, "replica": "r1", "headers": {"Content-Type": "text/event-stream"}}
@@ -165,14 +166,7 @@ class FakeDirectory:
 
 async def stub_replica(metrics_handler):
     """A replica stand-in serving only /metrics on a free port: (its runner, its URL)."""
-    from aiohttp import web
-    app = web.Application()
-    app.router.add_get("/metrics", metrics_handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    return await stub_server(("GET", "/metrics", metrics_handler))
 
 
 def test_a_hung_replica_is_left_out_of_a_poll_in_time_and_not_forgotten(monkeypatch):
@@ -278,14 +272,9 @@ async def adapter_replica(refuse: set[str]):
             return web.json_response({"error": {"message": f"no adapter {name}"}}, status=404)
         held.discard(name)
         return web.json_response({"status": "ok"})
-    app = web.Application()
-    app.router.add_post("/v1/load_lora_adapter", load)
-    app.router.add_post("/v1/unload_lora_adapter", unload)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", held
+    runner, url = await stub_server(("POST", "/v1/load_lora_adapter", load),
+                                    ("POST", "/v1/unload_lora_adapter", unload))
+    return runner, url, held
 
 
 def test_a_load_is_all_or_nothing_and_noted_for_replicas_started_later():
