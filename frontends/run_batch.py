@@ -6,10 +6,11 @@ Each input line is one request, `{"custom_id": ..., "method": "POST", "url": "/v
 "/v1/chat/completions", "body": {...}}`, whose body may name any adapter as its `model`. The command starts
 `loraplex serve` on a free local port (one frontend; the engine flags given: --model, --adapter-dir, ...),
 sends the lines at most --max-concurrency at a time (a 429 is retried after its Retry-After), and writes one
-line per input line, in the input's order: `{"id", "custom_id", "response": {"status_code", "request_id",
-"body"}, "error": null}`, the body being exactly the server's answer (an error body for a refused request);
-a line that cannot be sent (not JSON, no custom_id, one used twice, another method or url, `stream`)
-gets `"response": null` and `"error": {"code", "message"}` naming what is wrong. Blank lines are skipped.
+line per input line, in the input's order, each as soon as it and every earlier one are answered:
+`{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}`, the body being
+exactly the server's answer (an error body for a refused request); a line that cannot be sent (not JSON,
+no custom_id, one used twice, another method or url, `stream`) gets `"response": null` and
+`"error": {"code", "message"}` naming what is wrong. Blank lines are skipped.
 Exit status 0 once every line has its answer, whatever they say; 2 when the input cannot be read or the
 server does not start.
 """
@@ -83,10 +84,22 @@ def result(line: Line, status: int | None = None, request_id: str | None = None,
     return {**out, "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
 
 
-async def send_all(url: str, lines: list[Line], concurrency: int, progress=None) -> list[dict]:
-    """Every line's output, in order; at most `concurrency` requests in flight."""
+async def send_all(url: str, lines: list[Line], concurrency: int, progress=None, write=None) -> list[dict]:
+    """Every line's output, in order; at most `concurrency` requests in flight. write(output): called for
+    each line's output in the input's order as soon as it and every earlier one are done (a long batch's
+    answers reach the file as they come, not all at the end)."""
     import aiohttp
     gate = asyncio.Semaphore(concurrency)
+    done: list[dict | None] = [None] * len(lines)
+    written = 0
+
+    def finished(i: int, out: dict) -> dict:
+        nonlocal written
+        done[i] = out
+        while write is not None and written < len(done) and done[written] is not None:
+            write(done[written])
+            written += 1
+        return out
 
     async def one(session, line: Line) -> dict:
         if line.error is not None:
@@ -101,12 +114,15 @@ async def send_all(url: str, lines: list[Line], concurrency: int, progress=None)
                     await asyncio.sleep(float(r.headers.get("Retry-After", "1")))     # backpressure, not an answer
             except (aiohttp.ClientError, ValueError) as e:        # the server went away, or answered garbage
                 return {**result(line), "error": {"code": "server_error", "message": f"line {line.number}: {e}"}}
-            finally:
-                if progress is not None:
-                    progress.update(1)
+
+    async def numbered(session, i: int, line: Line) -> dict:
+        out = finished(i, await one(session, line))
+        if progress is not None:
+            progress.update(1)
+        return out
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
-        return await asyncio.gather(*(one(session, line) for line in lines))
+        return await asyncio.gather(*(numbered(session, i, line) for i, line in enumerate(lines)))
 
 
 def serve_argv(argv: list[str]) -> list[str]:
@@ -150,18 +166,18 @@ def run(args) -> int:
     except RuntimeError as e:
         print(f"loraplex: error: {e}", file=sys.stderr)
         return 2
+    out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
+
+    def write(result: dict) -> None:
+        out.write(json.dumps(result) + "\n")
+        out.flush()
     try:
-        with tqdm(total=sum(line.error is None for line in lines), desc="run-batch", unit="req",
-                  file=sys.stderr) as bar:
-            results = asyncio.run(send_all(server.url, lines, args.max_concurrency, bar))
+        with tqdm(total=len(lines), desc="run-batch", unit="req", file=sys.stderr) as bar:
+            results = asyncio.run(send_all(server.url, lines, args.max_concurrency, bar, write))
     finally:
         server.stop()
-    text = "".join(json.dumps(r) + "\n" for r in results)
-    if args.output == "-":
-        sys.stdout.write(text)
-    else:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text)
+        if out is not sys.stdout:
+            out.close()
     bad = sum(r["error"] is not None or r["response"]["status_code"] != 200 for r in results)
     print(f"loraplex: run-batch: {len(results)} lines, {len(results) - bad} answered 200, {bad} not "
           f"(their lines say why)", file=sys.stderr)

@@ -48,7 +48,8 @@ async def test_a_429_is_waited_out_and_the_answer_kept():
     runner, url = await stub_server(("POST", "/v1/completions", completions))
     try:
         bad = Line(2, None, error="line 2: not JSON")
-        out = await send_all(url, [Line(1, "a", "/v1/completions", {"model": "m"}), bad], 4)
+        written = []
+        out = await send_all(url, [Line(1, "a", "/v1/completions", {"model": "m"}), bad], 4, write=written.append)
     finally:
         await runner.cleanup()
     assert len(calls) == 2 and calls[0] == {"model": "m"}
@@ -56,6 +57,7 @@ async def test_a_429_is_waited_out_and_the_answer_kept():
     assert out[0]["response"] == {"status_code": 200, "request_id": "req_1", "body": {"choices": [{"text": "ok"}]}}
     assert out[1]["response"] is None and out[1]["error"] == {"code": "invalid_request", "message": "line 2: not JSON"}
     assert out[0]["id"].startswith("batch_req_") and out[0]["id"] != out[1]["id"]
+    assert written == out            # in the input's order, though the bad line was done first
 
 
 def test_a_batch_file_through_the_server(tiny_served, tmp_path):
