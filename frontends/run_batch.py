@@ -162,11 +162,15 @@ def run(args) -> int:
         return 2
     lines = parse_lines(text)
     try:
+        out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
+    except OSError as e:
+        print(f"loraplex: error: --output {args.output}: {e}", file=sys.stderr)
+        return 2
+    try:
         server = Server(serve_argv(args.argv))
     except RuntimeError as e:
         print(f"loraplex: error: {e}", file=sys.stderr)
         return 2
-    out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
 
     def write(result: dict) -> None:
         out.write(json.dumps(result) + "\n")

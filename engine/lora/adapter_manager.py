@@ -615,7 +615,7 @@ class AdapterManager:
                 "registered": len(self.by_name)}
 
     def close(self) -> None:
-        self._closed = True                 # a digest in progress stops at its next chunk
-        self.digester.shutdown(wait=False, cancel_futures=True)
+        self._closed = True                 # a digest in progress stops at its next chunk (<= BUSY_REST_S away):
+        self.digester.shutdown(wait=True, cancel_futures=True)      # waited for, so no thread outlives close()
         self.loader.close()
 
