@@ -90,3 +90,15 @@ def test_a_batch_file_through_the_server(tiny_served, tmp_path):
     assert broken["error"]["code"] == "invalid_request" and "line 3" in broken["error"]["message"]
     assert all(g["response"]["request_id"].startswith("req_") for g in got if g["response"])
     assert "5 lines, 3 answered 200, 2 not" in done.stderr
+
+
+def test_an_input_or_output_it_cannot_use_is_a_clear_error_before_any_server_starts(tmp_path, capsys):
+    import argparse
+
+    from frontends.run_batch import run
+    src = tmp_path / "in.jsonl"
+    src.write_text(request("a", {"model": "m"}) + "\n")
+    for input_, output, says in ((str(tmp_path / "missing.jsonl"), "-", "--input"),
+                                 (str(src), str(tmp_path / "no" / "such" / "out.jsonl"), "--output")):
+        assert run(argparse.Namespace(input=input_, output=output, argv=[], max_concurrency=4)) == 2
+        assert f"loraplex: error: {says}" in capsys.readouterr().err
