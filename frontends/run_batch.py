@@ -155,6 +155,9 @@ class Server:
 def run(args) -> int:
     """`loraplex run-batch` (frontends/cli.py)."""
     from tqdm import tqdm
+    if args.max_concurrency < 1:
+        print(f"loraplex: error: --max-concurrency must be >= 1, got {args.max_concurrency}", file=sys.stderr)
+        return 2
     try:
         text = sys.stdin.read() if args.input == "-" else open(args.input, encoding="utf-8").read()
     except (OSError, UnicodeDecodeError) as e:

@@ -92,13 +92,14 @@ def test_a_batch_file_through_the_server(tiny_served, tmp_path):
     assert "5 lines, 3 answered 200, 2 not" in done.stderr
 
 
-def test_an_input_or_output_it_cannot_use_is_a_clear_error_before_any_server_starts(tmp_path, capsys):
+def test_an_input_output_or_concurrency_it_cannot_use_is_a_clear_error_before_any_server_starts(tmp_path, capsys):
     import argparse
 
     from frontends.run_batch import run
     src = tmp_path / "in.jsonl"
     src.write_text(request("a", {"model": "m"}) + "\n")
-    for input_, output, says in ((str(tmp_path / "missing.jsonl"), "-", "--input"),
-                                 (str(src), str(tmp_path / "no" / "such" / "out.jsonl"), "--output")):
-        assert run(argparse.Namespace(input=input_, output=output, argv=[], max_concurrency=4)) == 2
+    for input_, output, concurrency, says in ((str(tmp_path / "missing.jsonl"), "-", 4, "--input"),
+                                              (str(src), str(tmp_path / "no" / "out.jsonl"), 4, "--output"),
+                                              (str(src), "-", 0, "--max-concurrency")):   # 0 would wait forever
+        assert run(argparse.Namespace(input=input_, output=output, argv=[], max_concurrency=concurrency)) == 2
         assert f"loraplex: error: {says}" in capsys.readouterr().err
