@@ -142,14 +142,34 @@ def decode(raw: bytes, type_: type):
     """Decode a request body (strict JSON, valid UTF-8) into its typed request, or raise DecodeFailure."""
     try:
         return msgspec.json.decode(raw, type=type_)
-    except UnicodeDecodeError:
-        raise DecodeFailure("the request body is not valid UTF-8", None) from None
+    except UnicodeDecodeError:  # msgspec < 0.23 (0.23 raises a DecodeError, below)
+        raise DecodeFailure(_NOT_UTF8, None) from None
     except RecursionError:
         raise DecodeFailure("the request body is not valid JSON: nested too deeply", None) from None
     except msgspec.ValidationError as e:
         raise _failure(str(e)) from None
     except msgspec.DecodeError as e:
-        raise DecodeFailure(f"the request body is not valid JSON: {e}", None) from None
+        raise _undecodable(raw, str(e)) from None
+
+
+_NOT_UTF8 = "the request body is not valid UTF-8"
+# a \u escape of a high surrogate not followed by a low one, or a low one without its high one
+_HIGH, _LOW = r"\\u[dD][89abAB][0-9a-fA-F]{2}", r"\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+_LONE = re.compile(rf"{_HIGH}(?!{_LOW})|(?<!{_HIGH}){_LOW}")
+
+
+def _undecodable(raw: bytes, reason: str) -> DecodeFailure:
+    """Why msgspec could not parse `raw`, in words that do not depend on its version: the bytes are not
+    UTF-8, or a \\u escape is a lone UTF-16 surrogate (msgspec says "truncated"), or msgspec's reason."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return DecodeFailure(_NOT_UTF8, None)
+    lone = _LONE.search(text)
+    if lone is not None:
+        return DecodeFailure(f"the request body is not valid JSON: {lone.group(0)} is a lone UTF-16 surrogate",
+                             None)
+    return DecodeFailure(f"the request body is not valid JSON: {reason}", None)
 
 
 def _failure(text: str) -> DecodeFailure:

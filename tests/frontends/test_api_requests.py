@@ -17,11 +17,21 @@ from frontends.openapi import openapi_document
     (b'{"model": "m", "prompt": "x", "temperature": true}', "temperature", "got `bool`"),
     (b'{"model": "m", "prompt": "x", "temperature": NaN}', None, "not valid JSON"),
     (b'{"model": "m", "prompt": "caf\xe9"}', None, "not valid UTF-8"),
+    (b'{"model": "m", "prompt": "\\ud800"}', None, "\\ud800 is a lone UTF-16 surrogate"),
+    (b'{"model": "m", "prompt": "abcd\\udc00b"}', None, "\\udc00 is a lone UTF-16 surrogate"),
+    (b'{"model": "m", "prompt": "\\ud800x", }', None, "lone UTF-16 surrogate"),
 ])
 def test_a_bad_completion_body_names_its_field(raw, param, words):
     with pytest.raises(t.DecodeFailure) as e:
         t.decode(raw, t.CompletionRequest)
     assert e.value.param == param and words in e.value.message
+
+
+def test_a_surrogate_pair_is_one_character_and_unpaired_text_is_not_mistaken_for_one():
+    assert t.decode(b'{"model": "m", "prompt": "\\ud83d\\ude00"}', t.CompletionRequest).prompt == "\U0001f600"
+    with pytest.raises(t.DecodeFailure) as e:
+        t.decode(b'{"model": "m", "prompt": "x",}', t.CompletionRequest)
+    assert "surrogate" not in e.value.message and "not valid JSON" in e.value.message
 
 
 def test_chat_parts_other_than_text_are_refused_with_their_path():
