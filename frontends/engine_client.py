@@ -79,6 +79,7 @@ class AsyncEngineClient:
         self._replies: dict[str, asyncio.Future] = {}
         self._ids = itertools.count()
         self._reader: asyncio.Task | None = None
+        self._beat: asyncio.Task | None = None
 
     async def connect(self, timeout: float = 60.0) -> "AsyncEngineClient":
         self.ctx = zmq.asyncio.Context()
@@ -88,11 +89,15 @@ class AsyncEngineClient:
         self.sock.connect(self.address)
         self._reader = asyncio.create_task(self._read())
         deadline = time.monotonic() + timeout
-        while self.status is None:
-            await self.sock.send(encode_request(Hello(self.client_id)))
-            await asyncio.sleep(0.05)
-            if time.monotonic() > deadline:
-                raise EngineError(f"engine at {self.address} did not answer within {timeout:.0f}s", 503)
+        try:
+            while self.status is None:
+                await self.sock.send(encode_request(Hello(self.client_id)))
+                await asyncio.sleep(0.05)
+                if time.monotonic() > deadline:
+                    raise EngineError(f"engine at {self.address} did not answer within {timeout:.0f}s", 503)
+        except BaseException:              # the timeout, or the caller cancelled: leave no task or socket behind
+            await self.close()
+            raise
         self._beat = asyncio.create_task(self._heartbeat())
         return self
 
@@ -107,9 +112,9 @@ class AsyncEngineClient:
         """Abort every request still open on this client, then disconnect."""
         if self._queues:
             await self.sock.send(encode_request(AbortRequest(list(self._queues))))
-        if self._reader:
-            self._reader.cancel()
-            self._beat.cancel()
+        for task in (self._reader, self._beat):
+            if task is not None:
+                task.cancel()
         self.sock.close(0)
         self.ctx.term()
 

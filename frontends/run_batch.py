@@ -12,7 +12,11 @@ exactly the server's answer (an error body for a refused request); a line that c
 no custom_id, one used twice, another method or url, `stream`) gets `"response": null` and
 `"error": {"code", "message"}` naming what is wrong. Blank lines are skipped.
 Exit status 0 once every line has its answer, whatever they say; 2 when the input cannot be read or the
-server does not start.
+server does not start; 1 when writing the output (or reading the input) fails on the way.
+
+The file is streamed, not held: lines are read as requests go out, at most WINDOW_PER_REQUEST x
+--max-concurrency ahead of the last line written (a slow early line holds the reading back, so memory stays
+bounded whatever the file's length); only the custom_ids seen are kept, to refuse one used twice.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from frontends import ready
@@ -30,6 +35,7 @@ from frontends.argv import drop_flags
 
 URLS = ("/v1/completions", "/v1/chat/completions")
 OWN_FLAGS = {"-i", "--input", "-o", "--output", "--max-concurrency"}
+WINDOW_PER_REQUEST = 4      # lines read but not yet written, per request allowed in flight
 
 
 @dataclass
@@ -41,17 +47,23 @@ class Line:
     error: str | None = None       # why it cannot be sent
 
 
-def parse_lines(text: str) -> list[Line]:
-    """The input's non-blank lines, each checked (Line.error names the first problem)."""
-    out, seen = [], set()
-    for number, raw in enumerate(text.splitlines(), 1):
+def parse_lines(raw_lines: Iterable[bytes | str]) -> Iterator[Line]:
+    """The input's non-blank lines as they are read, each checked (Line.error names the first problem)."""
+    seen = set()
+    for number, raw in enumerate(raw_lines, 1):
+        if isinstance(raw, bytes):
+            try:
+                raw = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield Line(number, None, error=f"line {number}: not valid UTF-8 ({e.reason} at byte {e.start})")
+                continue
         if not raw.strip():
             continue
-        out.append(line := _parse(number, raw))
+        line = _parse(number, raw)
         if line.error is None and line.custom_id in seen:
             line.error = f"line {number}: custom_id {line.custom_id!r} is used by an earlier line"
         seen.add(line.custom_id)
-    return out
+        yield line
 
 
 def _parse(number: int, raw: str) -> Line:
@@ -84,22 +96,33 @@ def result(line: Line, status: int | None = None, request_id: str | None = None,
     return {**out, "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
 
 
-async def send_all(url: str, lines: list[Line], concurrency: int, progress=None, write=None) -> list[dict]:
-    """Every line's output, in order; at most `concurrency` requests in flight. write(output): called for
-    each line's output in the input's order as soon as it and every earlier one are done (a long batch's
-    answers reach the file as they come, not all at the end)."""
+@dataclass
+class Tally:
+    lines: int = 0
+    ok: int = 0                    # answered 200
+
+
+async def send_all(url: str, lines: Iterable[Line], concurrency: int, progress=None,
+                   write: Callable[[dict], None] = lambda out: None) -> Tally:
+    """Send every line, at most `concurrency` requests in flight. write(output): called for each line's output
+    in the input's order as soon as it and every earlier one are done; `lines` is consumed at most
+    WINDOW_PER_REQUEST * concurrency lines ahead of the last one written. Returns the counts."""
     import aiohttp
     gate = asyncio.Semaphore(concurrency)
-    done: list[dict | None] = [None] * len(lines)
-    written = 0
+    room = asyncio.Semaphore(WINDOW_PER_REQUEST * concurrency)
+    done: dict[int, dict] = {}     # outputs waiting for an earlier line's
+    tally = Tally()
 
-    def finished(i: int, out: dict) -> dict:
-        nonlocal written
+    def finished(i: int, out: dict) -> None:
         done[i] = out
-        while write is not None and written < len(done) and done[written] is not None:
-            write(done[written])
-            written += 1
-        return out
+        while tally.lines in done:
+            out = done.pop(tally.lines)
+            write(out)
+            tally.lines += 1
+            tally.ok += out["error"] is None and out["response"]["status_code"] == 200
+            room.release()
+            if progress is not None:
+                progress.update(1)
 
     async def one(session, line: Line) -> dict:
         if line.error is not None:
@@ -112,17 +135,34 @@ async def send_all(url: str, lines: list[Line], concurrency: int, progress=None,
                         if r.status != 429:
                             return result(line, r.status, r.headers.get("X-Request-Id"), body)
                     await asyncio.sleep(float(r.headers.get("Retry-After", "1")))     # backpressure, not an answer
-            except (aiohttp.ClientError, ValueError) as e:        # the server went away, or answered garbage
+            except Exception as e:  # noqa: BLE001 - the server went away or answered garbage: this line says so
                 return {**result(line), "error": {"code": "server_error", "message": f"line {line.number}: {e}"}}
 
-    async def numbered(session, i: int, line: Line) -> dict:
-        out = finished(i, await one(session, line))
-        if progress is not None:
-            progress.update(1)
-        return out
+    broken: list[BaseException] = []   # write() failed (the output's disk full, its reader gone): stop
 
+    async def numbered(session, i: int, line: Line) -> None:
+        try:
+            finished(i, await one(session, line))
+        except Exception as e:  # noqa: BLE001 - raised again below, once the sending has stopped
+            broken.append(e)
+            room.release()
+
+    running: set[asyncio.Task] = set()
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
-        return await asyncio.gather(*(numbered(session, i, line) for i, line in enumerate(lines)))
+        for i, line in enumerate(lines):
+            await room.acquire()
+            if broken:
+                break
+            task = asyncio.create_task(numbered(session, i, line))
+            running.add(task)
+            task.add_done_callback(running.discard)
+        if broken:
+            for task in running:
+                task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+    if broken:
+        raise broken[0]
+    return tally
 
 
 def serve_argv(argv: list[str]) -> list[str]:
@@ -159,11 +199,11 @@ def run(args) -> int:
         print(f"loraplex: error: --max-concurrency must be >= 1, got {args.max_concurrency}", file=sys.stderr)
         return 2
     try:
-        text = sys.stdin.read() if args.input == "-" else open(args.input, encoding="utf-8").read()
-    except (OSError, UnicodeDecodeError) as e:
+        total = None if args.input == "-" else _count(args.input)
+        src = sys.stdin.buffer if args.input == "-" else open(args.input, "rb")
+    except OSError as e:
         print(f"loraplex: error: --input {args.input}: {e}", file=sys.stderr)
         return 2
-    lines = parse_lines(text)
     try:
         out = sys.stdout if args.output == "-" else open(args.output, "w", encoding="utf-8")
     except OSError as e:
@@ -179,13 +219,22 @@ def run(args) -> int:
         out.write(json.dumps(result) + "\n")
         out.flush()
     try:
-        with tqdm(total=len(lines), desc="run-batch", unit="req", file=sys.stderr) as bar:
-            results = asyncio.run(send_all(server.url, lines, args.max_concurrency, bar, write))
+        with tqdm(total=total, desc="run-batch", unit="req", file=sys.stderr) as bar:
+            tally = asyncio.run(send_all(server.url, parse_lines(src), args.max_concurrency, bar, write))
+    except OSError as e:                                  # the output cannot take more, or the input went bad
+        print(f"loraplex: error: run-batch stopped: {e}", file=sys.stderr)
+        return 1
     finally:
         server.stop()
-        if out is not sys.stdout:
-            out.close()
-    bad = sum(r["error"] is not None or r["response"]["status_code"] != 200 for r in results)
-    print(f"loraplex: run-batch: {len(results)} lines, {len(results) - bad} answered 200, {bad} not "
+        for f in (src, out):
+            if f not in (sys.stdin.buffer, sys.stdout):
+                f.close()
+    print(f"loraplex: run-batch: {tally.lines} lines, {tally.ok} answered 200, {tally.lines - tally.ok} not "
           f"(their lines say why)", file=sys.stderr)
     return 0
+
+
+def _count(path: str) -> int:
+    """The file's non-blank lines (the progress bar's total), read once ahead in binary: cheap next to a request."""
+    with open(path, "rb") as f:
+        return sum(1 for raw in f if raw.strip())

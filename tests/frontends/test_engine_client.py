@@ -1,6 +1,7 @@
 """The ZMQ client library against the running engine process."""
 import asyncio
 import contextlib
+import os
 import time
 
 import msgspec
@@ -72,3 +73,15 @@ def test_cache_salt_isolates_prefix_reuse(server):
     assert cached("tenant-a") == 0
     assert cached("tenant-a") > 0
     assert cached("tenant-b") == 0
+
+
+async def test_a_connect_that_times_out_leaves_no_task_or_socket_behind():
+    """No engine listens: the client gives up at its timeout with a 503, and its reader task and socket are
+    gone (a replica retrying every half second must not pile them up)."""
+    client = AsyncEngineClient(f"ipc:///tmp/loraplex-nobody-{os.getpid()}")
+    before = asyncio.all_tasks()
+    with pytest.raises(EngineError) as e:
+        await client.connect(timeout=0.2)
+    assert e.value.status == 503 and "did not answer" in str(e.value)
+    await asyncio.sleep(0)                                # cancelled tasks finish
+    assert asyncio.all_tasks() == before and client.sock.closed and client.ctx.closed
