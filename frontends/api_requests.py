@@ -19,6 +19,7 @@ from frontends.api_error import ApiError
 from ipc.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
 
 MAX_CHOICES = 16
+MAX_PROMPTS = 64      # prompts in one /v1/completions call (a batch), each with its `n` choices
 TokenId = Annotated[int, Meta(ge=0, le=2 ** 63 - 1, description="a token id of the model's vocabulary")]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 
@@ -75,8 +76,9 @@ class Generation(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(Generation, kw_only=True):
-    """POST /v1/completions. `prompt`: a string, one string in an array, or an array of token ids."""
-    prompt: Union[str, list[Union[TokenId, str]]]
+    """POST /v1/completions. `prompt`: a string or an array of token ids; or a batch, as OpenAI's: an array of
+    strings, or of token-id arrays (at most MAX_PROMPTS), whose answer's choice `p * n + i` is prompt p's i-th."""
+    prompt: Union[str, list[Union[TokenId, str, list[TokenId]]]]
     echo: bool | None = None
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
 

@@ -40,13 +40,14 @@ class Tenant:
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
 
-    def rate(self, prompt_tokens: int, max_tokens: int | None, n: int, max_model_len: int) -> RateLimit | None:
-        """Its limits and what a request of `n` choices costs against them (max_tokens None: up to the
-        context); None when it has no limit."""
+    def rate(self, prompt_tokens: list[int], max_tokens: int | None, n: int, max_model_len: int) -> RateLimit | None:
+        """Its limits and what one call costs against them: one request, and per prompt (a batch has several)
+        its tokens and what its `n` choices may generate (max_tokens None: up to the context); None when it
+        has no limit."""
         if not (self.requests_per_minute or self.tokens_per_minute):
             return None
-        per_choice = prompt_tokens + (max_tokens if max_tokens is not None else max_model_len - prompt_tokens)
-        return RateLimit(self.requests_per_minute or 0, self.tokens_per_minute or 0, 1, n * per_choice)
+        tokens = sum(n * (p + (max_tokens if max_tokens is not None else max_model_len - p)) for p in prompt_tokens)
+        return RateLimit(self.requests_per_minute or 0, self.tokens_per_minute or 0, 1, tokens)
 
     def may_use(self, adapter: str | None) -> bool:
         """adapter None is the base model."""

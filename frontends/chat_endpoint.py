@@ -23,11 +23,11 @@ class ChatEndpoint(GenerationEndpoint):
     default_max_tokens = None                    # up to the context, as OpenAI's chat
     refused = {**request_fields.UNSUPPORTED, "echo": (False,)}      # echo: completions only
 
-    def prompt(self, req: ChatCompletionRequest) -> tuple[list[int], str | None]:
+    def prompts(self, req: ChatCompletionRequest) -> list[tuple[list[int], str | None]]:
         messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
                      else "".join(p.text for p in m.content)} for m in req.messages]
         try:
-            return encode_chat(self.tokenizer, messages), None
+            return [(encode_chat(self.tokenizer, messages), None)]
         except (ValueError, TemplateError) as e:       # no chat template, or one that refuses these messages
             raise ApiError(400, f"'messages': {e}", "messages") from None
 

@@ -92,11 +92,13 @@ async def collect(gens: Merged, on_finish) -> list[Choice]:
     return choices
 
 
-def choices_usage(finals: list, prompt_only: bool = False) -> Usage:
-    """The usage of one call from its choices' final outputs: the prompt once, the completions summed
-    (none when only the prompt was asked for), the most cached tokens of any choice."""
-    prompt = finals[0].prompt_tokens
+def choices_usage(finals: list, n: int, prompt_only: bool = False) -> Usage:
+    """The usage of one call from its choices' final outputs, every `n` of one prompt: each prompt once (and
+    the most cached tokens of any of its choices), the completions summed (none when only the prompts were
+    asked for)."""
+    prompts = [finals[p:p + n] for p in range(0, len(finals), n)]
+    prompt = sum(group[0].prompt_tokens for group in prompts)
     completion = 0 if prompt_only else sum(o.completion_tokens for o in finals)
-    cached = max(o.cached_tokens for o in finals)
+    cached = sum(max(o.cached_tokens for o in group) for group in prompts)
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached) if cached else None)

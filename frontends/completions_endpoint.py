@@ -1,5 +1,5 @@
-"""POST /v1/completions: a prompt (text or token ids), answered with `Completion` structs; `echo` puts the
-prompt before the answer, `logprobs` is an integer (alternatives per token)."""
+"""POST /v1/completions: a prompt (text or token ids) or a batch of them, answered with `Completion` structs;
+`echo` puts the prompt before the answer, `logprobs` is an integer (alternatives per token)."""
 from __future__ import annotations
 
 import time
@@ -7,7 +7,7 @@ import time
 from frontends import api_responses as r
 from frontends import request_fields
 from frontends.api_error import ApiError
-from frontends.api_requests import CompletionRequest
+from frontends.api_requests import MAX_PROMPTS, CompletionRequest
 from frontends.echo import Echo, Plain
 from frontends.generation_endpoint import GenerationEndpoint
 from frontends.logprobs_format import completion_logprobs
@@ -20,17 +20,18 @@ class CompletionsEndpoint(GenerationEndpoint):
     default_max_tokens = 16                      # OpenAI's default for completions
     refused = request_fields.UNSUPPORTED
 
-    def prompt(self, req: CompletionRequest) -> tuple[list[int], str | None]:
-        prompt = req.prompt
-        if isinstance(prompt, list):
-            if len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            elif not prompt or not all(isinstance(t, int) for t in prompt):
-                raise ApiError(400, "'prompt' must be a string, or an array of token ids (batches are not "
-                               "supported)", "prompt")
+    def prompts(self, req: CompletionRequest) -> list[tuple[list[int], str | None]]:
+        prompts = batch(req.prompt)
+        out = []
+        for p, prompt in enumerate(prompts):
+            with request_fields.batch_member(p, len(prompts)):
+                out.append(self._one(prompt, bool(req.echo)))
+        return out
+
+    def _one(self, prompt: str | list[int], echo: bool) -> tuple[list[int], str | None]:
         ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else prompt
         request_fields.check_token_ids(ids, self.client.status.vocab_size)      # before echo decodes them
-        if not req.echo:
+        if not echo:
             return ids, None
         return ids, prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
 
@@ -58,3 +59,16 @@ class CompletionsEndpoint(GenerationEndpoint):
     def usage_chunk(self, rid: str, model: str, usage: r.Usage) -> r.Completion:
         return r.Completion(id=rid, object="text_completion", created=int(time.time()), model=model, choices=[],
                             usage=usage)
+
+
+def batch(prompt) -> list[str | list[int]]:
+    """The prompts of a `prompt` field: one string or token-id array, or a batch of either (not mixed)."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        return [prompt]
+    if prompt and (all(isinstance(t, str) for t in prompt) or all(isinstance(t, list) for t in prompt)):
+        if len(prompt) > MAX_PROMPTS:
+            raise ApiError(400, f"'prompt' is a batch of {len(prompt)} prompts; at most {MAX_PROMPTS} in one call",
+                           "prompt")
+        return list(prompt)
+    raise ApiError(400, "'prompt' must be a string, an array of token ids, or a batch: an array of strings or of "
+                   "token-id arrays (one kind, not empty)", "prompt")

@@ -1,5 +1,6 @@
-"""One generation route of OpenAI's API, the flow both share: read the typed body, tokenize the prompt,
-check it, send its `n` choices to the engine, and answer whole or as server-sent events.
+"""One generation route of OpenAI's API, the flow both share: read the typed body, tokenize the prompt (or
+each prompt of a completions batch), check it, send its `n` choices to the engine (choice p * n + i: prompt
+p's i-th), and answer whole or as server-sent events.
 `CompletionsEndpoint` and `ChatEndpoint` say what differs: the request type, the prompt, the logprobs'
 shape and the answer and chunk structs (api_responses), which is what goes on the wire."""
 from __future__ import annotations
@@ -26,6 +27,7 @@ from frontends.error_middleware import no_such_model
 from frontends.request_id import traced
 from frontends.request_log import note
 from frontends.stream_chunks import StreamChunks, finish_reason
+from ipc.sampling_params import SamplingParams
 
 log = logging.getLogger("loraplex.http")
 
@@ -43,8 +45,9 @@ class GenerationEndpoint(ABC):
 
     # -- what differs ----------------------------------------------------------------------------------
     @abstractmethod
-    def prompt(self, req) -> tuple[list[int], str | None]:
-        """The prompt's token ids, and the text to echo before the answer (None: no echo)."""
+    def prompts(self, req) -> list[tuple[list[int], str | None]]:
+        """Per prompt (one; completions take a batch): its token ids, and the text to echo before the answer
+        (None: no echo)."""
 
     @abstractmethod
     def logprobs_count(self, req) -> int | None:
@@ -73,36 +76,49 @@ class GenerationEndpoint(ABC):
     # -- the flow ---------------------------------------------------------------------------------------
     async def __call__(self, request: web.Request) -> web.StreamResponse:
         req = await api_requests.read(request, self.request_type)
-        ids, echo = self.prompt(req)
+        prompts = self.prompts(req)
         adapter = self.adapter_for(request, req.model)
         members = self.composition(request, req, adapter)
         if members:
             adapter = "+".join(n for n, _ in members)      # its label in metrics and logs
-        prompt_only = request_fields.check_length(req, len(ids), self.client.status.max_model_len,
-                                                  self.prompt_field, echo is not None)
-        request_fields.refuse_unsupported(req, self.refused)
-        params = request_fields.sampling_params(req, self.logprobs_count(req), self.default_max_tokens, prompt_only)
-        if echo is not None and params.logprobs is not None:
-            params = msgspec.structs.replace(params, prompt_logprobs=params.logprobs)
-        view = self.view(ids, echo, prompt_only)
+        params, prompt_only = self.sampling(req, prompts)
         caller = request["caller"]
+        n, stream, tenant = req.n or 1, bool(req.stream), caller.tenant
+        total = len(prompts) * n
+        request_fields.check_choices(tenant, len(prompts), n)
+        views = [self.view(ids, text, prompt_only) for ids, text in prompts]
+        views = [views[k // n] for k in range(total)]                 # choice k: prompt k // n's
         salt = caller.cache_salt(req.cache_salt)
-        n, stream = req.n or 1, bool(req.stream)
         await self.client.until_healthy()    # a bad request is answered at once, also while the engine restarts
         rid = f"{self.id_prefix}-{uuid.uuid4().hex}"
         note(request, id=rid)
-        tenant = caller.tenant
-        rate = tenant.rate(len(ids), params.max_tokens, n, self.client.status.max_model_len) if tenant else None
-        gens = Merged([self.client.generate(ids, choice_params(params, i), None if members else adapter, salt,
-                                            stream=stream, request_id=rid if n == 1 else f"{rid}-{i}",
+        limit = self.client.status.max_model_len
+        rate = tenant.rate([len(ids) for ids, _ in prompts], params.max_tokens, n, limit) if tenant else None
+        gens = Merged([self.client.generate(prompts[k // n][0], choice_params(params, k % n),
+                                            None if members else adapter, salt, stream=stream,
+                                            request_id=rid if total == 1 else f"{rid}-{k}",
                                             tenant="" if tenant is None else tenant.name,
                                             max_waiting=(tenant.max_waiting or 0) if tenant else 0,
-                                            adapters=members, rate=rate if i == 0 else None)   # the whole cost
-                       for i in range(n)])
+                                            adapters=members, rate=rate if k == 0 else None)   # the whole cost
+                       for k in range(total)])
         if stream:
             usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await self.stream(request, gens, rid, req.model, usage, adapter, view)
-        return await self.whole(request, gens, rid, req.model, adapter, view, params.logprobs is not None)
+            return await self.stream(request, gens, rid, req.model, usage, adapter, views, n)
+        return await self.whole(request, gens, rid, req.model, adapter, views, n, params.logprobs is not None)
+
+    def sampling(self, req, prompts: list[tuple[list[int], str | None]]) -> tuple[SamplingParams, bool]:
+        """The request's sampling parameters, once each prompt fits the context and no unsupported field is
+        asked for; and whether only the prompts are asked for (echo with max_tokens 0)."""
+        echo = prompts[0][1] is not None
+        for p, (ids, _) in enumerate(prompts):
+            with request_fields.batch_member(p, len(prompts)):
+                prompt_only = request_fields.check_length(req, len(ids), self.client.status.max_model_len,
+                                                          self.prompt_field, echo)
+        request_fields.refuse_unsupported(req, self.refused)
+        params = request_fields.sampling_params(req, self.logprobs_count(req), self.default_max_tokens, prompt_only)
+        if echo and params.logprobs is not None:
+            params = msgspec.structs.replace(params, prompt_logprobs=params.logprobs)
+        return params, prompt_only
 
     def adapter_for(self, request: web.Request, model: str) -> str | None:
         """The adapter `model` names (None: the base model), if the caller may use it; the same 404 as for
@@ -127,14 +143,16 @@ class GenerationEndpoint(ABC):
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
-    async def whole(self, request, gens: Merged, rid: str, model: str, adapter, view: Plain,
+    async def whole(self, request, gens: Merged, rid: str, model: str, adapter, views: list[Plain], n: int,
                     logprobs: bool) -> web.Response:
-        """The non-streamed answer, once every choice has finished."""
+        """The non-streamed answer, once every choice has finished; views[k]: how choice k is shown, n: the
+        choices of each prompt."""
         start = time.monotonic()
         done = await collect(gens, lambda out: self.observe(adapter, out.finish_reason, start))
-        use = choices_usage([c.final for c in done], view.prompt_only)
+        use = choices_usage([c.final for c in done], n, views[0].prompt_only)
         choices = [(view.text(c.text, True), finish_reason(c.final.finish_reason),
-                    view.logprobs(c.entries, c.prompt_logprobs, 0, True) if logprobs else None) for c in done]
+                    view.logprobs(c.entries, c.prompt_logprobs, 0, True) if logprobs else None)
+                   for c, view in zip(done, views)]
         resp = web.Response(body=encode(self.answer(rid, model, choices, use)), content_type="application/json")
         await resp.prepare(request)
         await resp.write_eof()
@@ -142,7 +160,7 @@ class GenerationEndpoint(ABC):
         return resp
 
     async def stream(self, request, gens: Merged, rid: str, model: str, include_usage: bool, adapter,
-                     view: Plain) -> web.StreamResponse:
+                     views: list[Plain], n: int) -> web.StreamResponse:
         """Server-sent events: each output of choice i becomes a chunk with index i; usage (summed over
         the choices) and [DONE] after the last choice finishes."""
         start = time.monotonic()
@@ -153,7 +171,7 @@ class GenerationEndpoint(ABC):
             await gens.aclose()
             raise
         resp = await sse.open_stream(request)
-        chunks, last_t, finishes = StreamChunks(len(gens), rid, model, self, view), None, []
+        chunks, last_t, finishes = StreamChunks(rid, model, self, views, n), None, []
         try:
             while True:
                 now = time.monotonic()
@@ -175,7 +193,7 @@ class GenerationEndpoint(ABC):
             if include_usage:
                 await self.send(resp, sse.event(chunks.usage()))
             await self.send(resp, sse.DONE)
-            self.delivered(request, finishes, choices_usage(chunks.finals, view.prompt_only))
+            self.delivered(request, finishes, chunks.total_usage())
         except EngineError as e:
             note(request, outcome="engine_error", error=str(e))
             try:

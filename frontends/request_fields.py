@@ -4,6 +4,8 @@ ApiError (400) naming the field at fault."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from frontends.api_error import ApiError
 from frontends.api_requests import Generation
@@ -48,6 +50,26 @@ def max_tokens(req: Generation) -> tuple[str, int] | None:
     if req.max_completion_tokens is not None:
         return "max_completion_tokens", req.max_completion_tokens
     return None if req.max_tokens is None else ("max_tokens", req.max_tokens)
+
+
+@contextmanager
+def batch_member(p: int, count: int) -> Iterator[None]:
+    """An ApiError raised inside names prompt p of a batch of `count` prompts (one prompt: as it is)."""
+    try:
+        yield
+    except ApiError as e:
+        if count > 1:
+            e.message = f"prompt {p} of the batch: {e.message}"
+        raise
+
+
+def check_choices(tenant, prompts: int, n: int) -> None:
+    """400 when a call asks for more choices (prompts x n engine requests) than its tenant may have waiting:
+    it could never be admitted whole, so a 429 would be retried for ever."""
+    total = prompts * n
+    if tenant is not None and tenant.max_waiting and total > tenant.max_waiting:
+        raise ApiError(400, f"this call asks for {total} choices ({prompts} prompts x n {n}); tenant "
+                       f"{tenant.name!r} may have {tenant.max_waiting} waiting (its max_waiting)", "n")
 
 
 def check_token_ids(ids: list[int], vocab_size: int, field: str = "prompt") -> None:

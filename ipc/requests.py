@@ -13,8 +13,9 @@ _STRUCT = dict(array_like=True, omit_defaults=True, gc=False, tag_field="t")
 
 class RateLimit(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """A tenant's rate limits (0: none) and what one request costs against them: 1 request, and its prompt
-    plus the tokens it may generate, times its choices (engine/serving/rate_limits.py). A request of n choices
-    is n GenerateRequests; the first carries the whole cost, the others none."""
+    plus the tokens it may generate, times its choices, summed over a batch's prompts
+    (engine/serving/rate_limits.py). A call of n choices (per prompt) is that many GenerateRequests; the first
+    carries the whole cost, the others none."""
     requests_per_minute: int = 0
     tokens_per_minute: int = 0
     requests: int = 0

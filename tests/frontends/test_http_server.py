@@ -91,6 +91,49 @@ def test_n_choices_streamed_or_not(client):
         client.completions.create(model=BASE, prompt="Hi", max_tokens=2, n=17)
 
 
+def test_a_batch_of_prompts_answers_each_as_its_own_call_would(client):
+    """OpenAI's batched `prompt` (an array of strings, or of token-id arrays): choice p * n + i is prompt p's
+    i-th, token for token what a call with that prompt alone gives (seeded sampling included), streamed or
+    not; the usage counts each prompt once; echo with max_tokens 0 scores each prompt (evaluation
+    harnesses send such batches)."""
+    prompts = ["Once upon a time", "The capital of France is", "def fib(n):"]
+    kw = dict(model="r8-all", max_tokens=5, temperature=0.8, seed=5, n=2)
+    out = client.completions.create(prompt=prompts, **kw)
+    assert [c.index for c in out.choices] == list(range(6))
+    alone = [client.completions.create(prompt=p, **kw) for p in prompts]
+    assert [c.text for c in out.choices] == [c.text for a in alone for c in a.choices]
+    assert out.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert out.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    texts = [""] * 6
+    for ch in client.completions.create(prompt=prompts, stream=True, **kw):
+        for c in ch.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in out.choices]
+    tokenizer = load_tokenizer(default_model_dir())
+    ids = [tokenizer(p)["input_ids"] for p in prompts[:2]]
+    by_ids = client.completions.create(prompt=ids, **kw)
+    assert [c.text for c in by_ids.choices] == [c.text for c in out.choices[:4]]
+    scored = client.completions.create(model=BASE, prompt=prompts, max_tokens=0, echo=True, logprobs=0)
+    for p, c in zip(prompts, scored.choices):
+        one = client.completions.create(model=BASE, prompt=p, max_tokens=0, echo=True, logprobs=0).choices[0]
+        assert c.text == p and c.logprobs.token_logprobs == one.logprobs.token_logprobs
+    assert scored.usage.completion_tokens == 0
+
+
+@pytest.mark.parametrize("prompt, says", [
+    (["a", [1, 2]], "one kind"),
+    ([[1], "a"], "one kind"),
+    (["x"] * 65, "at most 64"),
+    (["Hello", "word " * 10000], "prompt 1 of the batch: the prompt is"),
+    ([[1, 2], []], "prompt 1 of the batch: the prompt is empty"),
+    ([[1], [10 ** 9]], "prompt 1 of the batch: token id 1000000000"),
+])
+def test_a_bad_batch_of_prompts_gets_400_naming_the_prompt(client, prompt, says):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=BASE, prompt=prompt, max_tokens=2)
+    assert says in e.value.body["message"] and e.value.body["param"] == "prompt"
+
+
 def test_model_is_an_adapter_name(client):
     models = {m.id for m in client.models.list().data}
     assert {BASE, "r4-qv", "r8-all", "r16-attn"} <= models

@@ -31,7 +31,7 @@ def as_json(struct) -> dict:
 
 def stream(kind, n=1, echo=None, prompt_only=False):
     e = endpoint(kind)
-    return StreamChunks(n, "id", "m", e, e.view([1], echo, prompt_only))
+    return StreamChunks("id", "m", e, [e.view([1], echo, prompt_only)] * n, n)
 
 
 def out(text, ids=(), finish=None, completion=1, cached=0):

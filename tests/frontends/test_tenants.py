@@ -176,6 +176,16 @@ def test_a_tenant_over_its_rate_limits_gets_429_saying_when_to_retry(server):
     assert beta.completions.create(model="beta-1", prompt="Hi", max_tokens=2).usage.completion_tokens == 2
 
 
+def test_a_batch_of_more_choices_than_the_tenants_max_waiting_is_a_400_not_an_endless_429(server):
+    """acme's max_waiting is 32: 17 prompts x n 2 could never all wait at once, so retrying could never help."""
+    s, _ = server
+    acme = client(s, "sk-acme-1")
+    with pytest.raises(openai.BadRequestError, match=r"34 choices \(17 prompts x n 2\).*'acme' may have 32 waiting"):
+        acme.completions.create(model="acme-1", prompt=["Hi"] * 17, max_tokens=2, n=2)
+    out = acme.completions.create(model="acme-1", prompt=["Hi"] * 16, max_tokens=2, n=2)
+    assert len(out.choices) == 32
+
+
 def test_prefix_cache_reuse_never_crosses_tenants(server):
     s, _ = server
     def cached(key, model):
