@@ -1,7 +1,7 @@
-"""loraplex engine. `from engine import LLM, SamplingParams`."""
-from ipc.sampling_params import SamplingParams
+"""loraplex engine. `from engine import LLM, SamplingParams, StructuredOutputsParams`."""
+from ipc.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str):

@@ -19,6 +19,7 @@ from engine.model.llama import LlamaModel
 from engine.model.weights import load_weights
 from engine.sampler import History, Sampler, chosen_and_top, logprobs
 from engine.scheduler import SchedulerOutput
+from engine.structured_output import constrain
 from ipc.outputs import TokenLogprobs
 from kernels.attention_metadata import AttentionMetadata, MetadataBuilder
 from kernels.backend import AdapterSlots, LoraStep
@@ -162,8 +163,11 @@ class ModelRunner:
         reqs = [out.requests[r] for r in inp.sample_rows]
         params = [r.params for r in reqs]
         history = [_history(r) for r in reqs] if any(p.processes_logits for p in params) else None
+        raw = logits
+        if any(r.grammar is not None for r in reqs):
+            logits = constrain(logits, [r.grammar for r in reqs], self.backend.mask_logits_)
         tokens = self.sampler.sample(logits, params, [r.num_resumed + len(r.output_token_ids) for r in reqs], history)
-        lps = {row: lp for row, lp in zip(inp.sample_rows, logprobs(logits, tokens, params)) if lp is not None}
+        lps = {row: lp for row, lp in zip(inp.sample_rows, logprobs(raw, tokens, params)) if lp is not None}
         return ModelOutput(dict(zip(inp.sample_rows, tokens)), lps)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, targets: list) -> None:

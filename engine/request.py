@@ -50,6 +50,7 @@ class Request:
     prompt_logprobs: list | None = None
     num_resumed: int = 0         # the last prompt tokens are earlier output (resent after an engine restart)
     suspect: bool = False        # was in a step that failed: runs alone until it samples a token (Scheduler)
+    grammar: object = None       # with params.structured_outputs: its Matcher (engine/structured_output.py)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -75,6 +76,8 @@ class Request:
         """Record a sampled token; return why the request stops now, if it does."""
         self.output_token_ids.append(token)
         p = self.params
+        if self.grammar is not None and (not self.grammar.accept(token) or self.grammar.done):
+            return FinishReason.STOP           # its constraint is complete (or, never expected, broken)
         if not p.ignore_eos and token in self.eos_token_ids:
             return FinishReason.STOP
         if token in p.stop_token_ids:

@@ -16,7 +16,7 @@ import msgspec
 from msgspec import Meta
 
 from frontends.api_error import ApiError
-from ipc.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS
+from ipc.sampling_params import MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, StructuredOutputsParams
 
 MAX_CHOICES = 16
 MAX_PROMPTS = 64      # prompts in one /v1/completions call (a batch), each with its `n` choices
@@ -26,6 +26,20 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool | None = None
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's `response_format.json_schema`: the schema the answer follows (`strict` or not, it does)."""
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's `response_format`: `text` (no constraint), `json_object` (any JSON object) or `json_schema`."""
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class AdapterWeight(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -60,19 +74,21 @@ class Generation(msgspec.Struct, kw_only=True):
                                   "the base model's name, or an adapter's, which then joins them with scale 1.0); "
                                   "at most the server's --max-adapters-per-request")] | None = None
     user: str | None = None
+    # the output's constraint (frontends/structured_fields.py): at most one of these
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # OpenAI / vLLM fields this server does not implement: refused by name unless they say "off"
     suffix: Any = None
     best_of: Any = None
     tools: Any = None
     functions: Any = None
     tool_choice: Any = None
-    response_format: Any = None
     use_beam_search: Any = None
     prompt_logprobs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
 
 
 class CompletionRequest(Generation, kw_only=True):

@@ -9,14 +9,13 @@ from contextlib import contextmanager
 
 from frontends.api_error import ApiError
 from frontends.api_requests import Generation
+from frontends.structured_fields import structured_outputs
 from ipc.sampling_params import SamplingParams
 
 # Fields of OpenAI's (or vLLM's) API this server does not implement, with the values that mean "off": a
 # request that asks for one of them gets 400 naming it, rather than an answer that silently ignores it.
 UNSUPPORTED = {"suffix": ("",), "best_of": (1,), "tools": ([],), "functions": ([],),
-               "tool_choice": ("none",), "response_format": ({"type": "text"},), "use_beam_search": (False,),
-               "prompt_logprobs": (), "guided_json": (), "guided_regex": (),
-               "guided_choice": (), "guided_grammar": ()}
+               "tool_choice": ("none",), "use_beam_search": (False,), "prompt_logprobs": ()}
 
 
 def refuse_unsupported(req: Generation, fields: dict[str, tuple]) -> None:
@@ -102,18 +101,19 @@ def sampling_params(req: Generation, logprobs: int | None, default_max_tokens: i
     prompt_only: echo with max_tokens 0 (one token is computed and dropped)."""
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     asked = max_tokens(req)
+    constraint, source = structured_outputs(req)
     kw = dict(temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0), top_k=_or(req.top_k, -1),
               seed=req.seed, max_tokens=1 if prompt_only else (asked[1] if asked else default_max_tokens),
               stop=stop, stop_token_ids=req.stop_token_ids or [], ignore_eos=bool(req.ignore_eos),
               logprobs=logprobs, presence_penalty=_or(req.presence_penalty, 0.0),
               frequency_penalty=_or(req.frequency_penalty, 0.0),
               repetition_penalty=_or(req.repetition_penalty, 1.0), logit_bias=logit_bias(req.logit_bias),
-              min_tokens=_or(req.min_tokens, 0))
+              min_tokens=_or(req.min_tokens, 0), structured_outputs=constraint)
     try:
         return SamplingParams(**kw)
     except ValueError as e:
         param = max((f for f in kw if str(e).startswith(f)), key=len, default=None)   # stop_token_ids, not stop
-        raise ApiError(400, str(e), param) from None
+        raise ApiError(400, str(e), source if param == "structured_outputs" else param) from None
 
 
 def _or(value, default):

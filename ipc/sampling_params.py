@@ -6,6 +6,31 @@ import msgspec
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 300   # entries of a logit_bias map
 MAX_STOP_TOKEN_IDS = 256
+MAX_CONSTRAINT_CHARS = 65536   # of a structured output's schema, regex, grammar or choices, as text
+
+
+class StructuredOutputsParams(msgspec.Struct, omit_defaults=True, kw_only=True, forbid_unknown_fields=True):
+    """Constrain the output (vLLM's structured outputs), exactly one of: `json` a JSON schema (an object, or
+    its text); `json_object` any JSON object; `regex` text the regular expression matches whole; `choice`
+    one of these strings; `grammar` an EBNF grammar (xgrammar's dialect, GBNF-like, rule `root`). The
+    engine compiles it for its tokenizer (engine/structured_output.py) and lets through, token by token,
+    only tokens that keep the output a prefix of the language; once it is complete, only the end."""
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def validate(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        kinds += ["json_object"] if self.json_object else []
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs: give exactly one of json, json_object, regex, choice, grammar"
+                             + (f"; got {', '.join(kinds)}" if kinds else ""))
+        if self.choice is not None and (not self.choice or any(not c for c in self.choice)):
+            raise ValueError("structured_outputs.choice: a non-empty list of non-empty strings")
+        if len(msgspec.json.encode(self)) > MAX_CONSTRAINT_CHARS:
+            raise ValueError(f"structured_outputs: at most {MAX_CONSTRAINT_CHARS} characters")
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -18,7 +43,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     to given token ids; `repetition_penalty` (HF/CTRL style, 1 = off) divides the positive logits and
     multiplies the negative ones of every token seen in the prompt or the output; `frequency_penalty`
     subtracts penalty x count and `presence_penalty` subtracts penalty once, for each token already in
-    the output. Reported logprobs are those of the unprocessed logits. `prompt_logprobs` asks for every
+    the output. `structured_outputs` then keeps only the tokens its constraint allows. Reported logprobs are
+    those of the unprocessed logits. `prompt_logprobs` asks for every
     prompt token's logprob where it was predicted (the whole prompt is then computed: no prefix-cache hit).
     """
     temperature: float = 1.0
@@ -37,6 +63,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     logit_bias: dict[int, float] = {}
     min_tokens: int = 0            # EOS and stop_token_ids cannot be sampled before this many tokens
     prompt_logprobs: int | None = None   # each prompt token's logprob (but the first's) and this many alternatives
+    structured_outputs: StructuredOutputsParams | None = None   # a JSON schema, a regex, choices or a grammar
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -73,6 +100,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
             raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
         for t, b in self.logit_bias.items():

@@ -23,6 +23,7 @@ from engine.model_runner import ModelRunner, page_elems
 from engine.page_pool import PagePool
 from engine.request import FinishReason, Request
 from engine.scheduler import Scheduler
+from engine.structured_output import Grammars
 from ipc.requests import GenerateRequest
 from kernels.memory import keep_freed_memory
 
@@ -80,6 +81,7 @@ class EngineCore:
             admission = AdapterAdmission(cfg.lora, self.adapters, self.slots)
         self.scheduler = Scheduler(cfg.scheduler, self.kv, admission)
         self.requests: dict[str, Request] = {}
+        self.grammars = Grammars(cfg.model.path, cfg.model.vocab_size, cfg.model.eos_token_ids)
         self.num_failed_steps = 0
         log.info("engine ready: model %s (%s), %d pages of %d KiB", cfg.model.name, cfg.model.dtype,
                  num_pages, page_bytes // 1024)
@@ -109,6 +111,8 @@ class EngineCore:
             raise ValueError(f"logit_bias: token ids must be in [0, {vocab})")
         if any(t >= vocab for t in req.params.stop_token_ids):
             raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab})")
+        if req.params.structured_outputs is not None:
+            self.grammars.compiled(req.params.structured_outputs)      # ValueError naming what it cannot compile
         need = self.kv.blocks_needed(n + self.max_tokens_for(n, req.params.max_tokens))
         adapter_pages = 0
         if req.adapter is not None and self.adapters is not None and req.adapter in self.adapters.by_name:
@@ -169,12 +173,15 @@ class EngineCore:
 
     def add_request(self, req: GenerateRequest) -> None:
         self.validate(req)
+        spec = req.params.structured_outputs
+        earlier = req.prompt_token_ids[len(req.prompt_token_ids) - req.resumed:]     # resent: its output so far
+        grammar = None if spec is None else self.grammars.matcher(spec, earlier)
         adapter_id = self.request_adapter_id(req)
         r = Request(request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), params=req.params,
                     max_tokens=self.max_tokens_for(len(req.prompt_token_ids), req.params.max_tokens),
                     eos_token_ids=self.cfg.model.eos_token_ids, adapter_id=adapter_id,
                     cache_salt=req.cache_salt, arrival=time.monotonic(), num_resumed=req.resumed,
-                    tenant=req.tenant)
+                    tenant=req.tenant, grammar=grammar)
         if req.params.prompt_logprobs is not None:
             r.prompt_logprobs = [None] * len(r.prompt_token_ids)
         self.requests[r.request_id] = r

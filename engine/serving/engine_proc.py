@@ -34,6 +34,7 @@ from engine.output_processor import OutputProcessor
 from engine.serving.adapter_commands import AdapterCommands
 from engine.serving.adapter_journal import AdapterJournal
 from engine.serving.engine_stats import EngineStatsPublisher
+from engine.serving.grammar_compiles import GrammarCompiles
 from engine.serving.pool_view import PoolView
 from engine.serving.rate_limits import RateLimits, RateRefusal
 from engine.serving.request_routes import RequestRoutes
@@ -74,6 +75,7 @@ class AsyncEngine:
             return EngineCore(cfg), load_tokenizer(cfg.model.path)
         self.core, tok = await self._run(build)
         self.processor = OutputProcessor(tok)
+        self.compiles = GrammarCompiles(self.core.grammars, self._requeue, self.refuse)
         self.adapter_ops = AdapterCommands(self.core, self._run, self.broadcast_status, self.adapter_dir,
                                            self.lora_roots, self.runtime_lora, self.journal)
         catalog = self.adapter_ops.catalog
@@ -90,6 +92,11 @@ class AsyncEngine:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.sock.bind(self.address)
+
+    def _requeue(self, identity: bytes, req: GenerateRequest) -> None:
+        """A request back in the inbox (its constraint compiled), applied before the next step."""
+        self.inbox.put_nowait((identity, req))
+        self.wakeup.set()
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.thread, fn, *args)
@@ -136,7 +143,7 @@ class AsyncEngine:
                 identity, msg = self.inbox.get_nowait()
                 await self.apply(identity, msg)
             if not self.core.has_unfinished():
-                if self.draining:
+                if self.draining and not self.compiles.waiting:
                     await self.send_q.join()            # the last outputs are out
                     return
                 await self._run(self.core.settle)
@@ -211,6 +218,8 @@ class AsyncEngine:
                 if self.routes.owner.get(rid) == identity:
                     self.core.abort(rid)
                     self.forget(rid)
+                else:
+                    self.compiles.abort(rid, identity)
         elif isinstance(msg, AdapterCommand):
             await self.send_q.put((identity, await self.adapter_ops.handle(msg)))
         elif isinstance(msg, PoolQuery):      # built between two steps: the engine thread runs one thing at a time
@@ -235,6 +244,8 @@ class AsyncEngine:
     async def add(self, identity: bytes, req: GenerateRequest) -> None:
         if self.draining:
             return await self.refuse(identity, req.request_id, "the server is shutting down", 503)
+        if self.compiles.holds(identity, req):
+            return                                  # back in the inbox once its constraint is compiled
         full = None if req.resumed else self.over_limit(req)     # a resent request keeps its place
         if full is not None:
             return await self.refuse(identity, req.request_id, full, 429)

@@ -143,3 +143,9 @@ class CpuBackend(TorchBackend):
         if logits.dtype == torch.bfloat16 and logits.stride(-1) == 1 and elementwise.supports(torch.bfloat16):
             return elementwise.argmax(logits)
         return logits.argmax(dim=-1)
+
+    def mask_logits_(self, logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Through the C kernel (one pass over the masked rows, words with every bit set skipped)."""
+        if logits.stride(-1) == 1 and elementwise.supports(torch.float32):
+            return elementwise.mask_logits_(logits, mask, torch.tensor(rows, dtype=torch.int64))
+        return super().mask_logits_(logits, mask, rows)

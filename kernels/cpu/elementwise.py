@@ -1,5 +1,5 @@
 """ctypes binding of the fused elementwise ops (elementwise.c): rms_norm, add_rms_norm, silu_mul,
-gelu_tanh_mul, rope_, dora_scale_, write_kv, and argmax over bf16 rows.
+gelu_tanh_mul, rope_, dora_scale_, write_kv, argmax over bf16 rows, and mask_logits_ (structured outputs).
 
 Each equals the torch expression named in its docstring, rounding included. Requires supports(dtype).
 """
@@ -27,6 +27,7 @@ def _fns():
         if _FNS is not None:
             _FNS["argmax"] = load_functions("elementwise", {0: "argmax_bf16"})[0]
             _FNS["write_kv"] = load_functions("elementwise", {0: "write_kv"})[0]
+            _FNS["mask_logits"] = load_functions("elementwise", {0: "mask_logits_f32"})[0]
     return _FNS
 
 
@@ -113,6 +114,18 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     _fns()["argmax"](x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], out.data_ptr())
     return out
+
+
+def mask_logits_(x: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """In place, for each row r in `rows`: x[r, i] = -inf where bit i % 32 of mask[r, i // 32] is 0
+    (Backend.mask_logits_) -> x. x: [B, n] fp32; mask: [B, ceil(n / 32)] int32, contiguous; rows: int64."""
+    _rows(x)
+    assert x.dtype == torch.float32 and mask.dtype == torch.int32 and mask.is_contiguous()
+    assert mask.shape[0] == x.shape[0] and mask.shape[1] * 32 >= x.shape[1]
+    rows = rows.contiguous()
+    _fns()["mask_logits"](x.data_ptr(), x.stride(0), x.shape[1], mask.data_ptr(), mask.stride(0), rows.data_ptr(),
+                          rows.numel())
+    return x
 
 
 def dora_scale_(y: torch.Tensor, storage: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:

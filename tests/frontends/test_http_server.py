@@ -1,6 +1,7 @@
 """The real server (engine + 2 frontends as processes) through the official openai client and raw HTTP."""
 import asyncio
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -594,3 +595,37 @@ def test_frontends_tokenize_without_torch(server):
         maps = open(f"/proc/{pid}/maps").read()
         assert "tokenizers" in maps and "libtorch" not in maps, pid
     assert "libtorch" in open(f"/proc/{engines[0]}/maps").read()      # the check sees torch where it is
+
+
+def test_structured_outputs_as_openai_and_vllm_clients_ask_for_them(client):
+    """response_format json_schema / json_object (OpenAI), structured_outputs and guided_choice (vLLM), on
+    chat and completions, streamed or not; a constraint the engine cannot compile, or two of them, is a 400."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+              "required": ["city", "population"], "additionalProperties": False}
+    msgs = [{"role": "user", "content": "Give the capital of France and its population as JSON."}]
+    out = client.chat.completions.create(model=BASE, messages=msgs, max_tokens=48, temperature=0, response_format={
+        "type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}})
+    city = json.loads(out.choices[0].message.content)
+    assert set(city) == {"city", "population"} and isinstance(city["population"], int)
+    streamed = client.chat.completions.create(model=BASE, messages=msgs, max_tokens=48, temperature=0, stream=True,
+                                              response_format={"type": "json_object"})
+    assert isinstance(json.loads("".join(c.choices[0].delta.content or "" for c in streamed if c.choices)), dict)
+    pick = client.completions.create(model="r8-all", prompt="The weather is", max_tokens=8, n=3, temperature=1.0,
+                                     seed=3, extra_body={"guided_choice": ["sunny", "rainy", "cloudy"]})
+    assert all(c.text in ("sunny", "rainy", "cloudy") for c in pick.choices)
+    code = client.completions.create(model=BASE, prompt="Code:", max_tokens=8,
+                                     extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{2}"}})
+    assert re.fullmatch("[A-Z]{3}-[0-9]{2}", code.choices[0].text)
+    with pytest.raises(openai.BadRequestError, match=r"structured_outputs.regex: .*parenthesis"):
+        client.completions.create(model=BASE, prompt="x", max_tokens=2, extra_body={"guided_regex": "(ab"})
+    with pytest.raises(openai.BadRequestError, match="give one constraint on the output, not 2") as e:
+        client.completions.create(model=BASE, prompt="x", max_tokens=2,
+                                  extra_body={"response_format": {"type": "json_object"}, "guided_choice": ["a"]})
+    assert e.value.body["param"] == "guided_choice"
+    with pytest.raises(openai.BadRequestError, match="json_schema.schema") as e:
+        client.chat.completions.create(model=BASE, messages=msgs, max_tokens=2,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    plain = client.chat.completions.create(model=BASE, messages=msgs, max_tokens=4, temperature=0,
+                                           response_format={"type": "text"})
+    assert plain.choices[0].message.content

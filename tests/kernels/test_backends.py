@@ -88,6 +88,30 @@ def test_argmax(name, dtype):
     assert torch.equal(backend(name, dtype).argmax(logits), backend("torch", dtype).argmax(logits))
 
 
+@pytest.mark.parametrize("name", overriding("mask_logits_"))
+@pytest.mark.parametrize("vocab", [1000, 1024, 49155])
+def test_mask_logits(name, vocab):
+    """Exact: the masked rows' disallowed tokens are -inf, everything else as it was."""
+    seeded = torch.Generator().manual_seed(8)
+    mask = torch.randint(-2 ** 31, 2 ** 31 - 1, (6, (vocab + 31) // 32), dtype=torch.int32, generator=seeded)
+    mask[1], mask[4] = -1, 0                                      # every token allowed; none
+    logits = randn(6, vocab, dtype=torch.float32, seed=9)
+    rows = [0, 1, 3, 4]
+    want = backend("torch", torch.float32).mask_logits_(logits.clone(), mask, rows)
+    assert torch.equal(backend(name, torch.float32).mask_logits_(logits.clone(), mask, rows), want)
+
+
+def test_the_reference_mask_is_xgrammars():
+    """The reference's bit order is xgrammar's (apply_token_bitmask_inplace), whose matchers fill the mask."""
+    xgr = pytest.importorskip("xgrammar")
+    mask = torch.randint(-2 ** 31, 2 ** 31 - 1, (3, 32), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    logits = randn(3, 1020, dtype=torch.float32, seed=2)
+    want = logits.clone().cpu()
+    xgr.apply_token_bitmask_inplace(want, mask, vocab_size=1020, indices=[0, 2])
+    got = backend("torch", torch.float32).mask_logits_(logits.clone(), mask, [0, 2])
+    assert torch.equal(got.cpu(), want)
+
+
 def test_every_backend_here_implements_something_of_its_own():
     """The selection above leaves no backend without a comparison."""
     assert overriding("linear", "rms_norm", "silu_mul", "rope", "attention", "lora_step") == BACKENDS
