@@ -125,12 +125,24 @@ class Matcher:
 
 
 def constrain(logits: torch.Tensor, matchers: list[Matcher | None], mask_logits_) -> torch.Tensor:
-    """logits [B, vocab] -> an fp32 copy in which, for each row with a matcher, the tokens its constraint does
-    not allow next are -inf (the others untouched). Rows without a matcher are copied as they are.
-    mask_logits_: the backend's (Backend.mask_logits_)."""
+    """logits [B, vocab] -> a copy (same dtype) in which, for each row with a matcher, the tokens its
+    constraint does not allow next are -inf (the others untouched; -inf is exact in any float dtype, so a
+    greedy row picks the allowed token the raw logits rank first). mask_logits_: the backend's
+    (Backend.mask_logits_)."""
     import xgrammar as xgr
     rows = [i for i, m in enumerate(matchers) if m is not None]
     mask = xgr.allocate_token_bitmask(len(matchers), matchers[rows[0]].vocab_size)      # [B, vocab / 32] int32
-    for i in rows:
-        matchers[i].m.fill_next_token_bitmask(mask, i)
-    return mask_logits_(logits.to(torch.float32, copy=True), mask, rows)
+    _batch().batch_fill_next_token_bitmask([matchers[i].m for i in rows], mask, indices=rows)
+    return mask_logits_(logits.clone(memory_format=torch.contiguous_format), mask, rows)
+
+
+_BATCH = None
+
+
+def _batch():
+    """xgrammar's batch filler, on one thread: the step's compute threads are busy around it."""
+    global _BATCH
+    if _BATCH is None:
+        import xgrammar as xgr
+        _BATCH = xgr.BatchGrammarMatcher(max_threads=1)
+    return _BATCH

@@ -282,9 +282,9 @@ class Backend(ABC):
         return logits.argmax(dim=-1)
 
     def mask_logits_(self, logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        """In place on fp32 logits [B, vocab]: for each row r of `rows`, every token i whose bit (i % 32 of
-        mask[r, i // 32], mask an int32 [B, ceil(vocab / 32)] on the host: xgrammar's layout) is 0 becomes
-        -inf; the other entries and rows are untouched. -> logits."""
+        """In place on logits [B, vocab] (any float dtype): for each row r of `rows`, every token i whose
+        bit (i % 32 of mask[r, i // 32], mask an int32 [B, ceil(vocab / 32)] on the host: xgrammar's layout)
+        is 0 becomes -inf; the other entries and rows are untouched. -> logits."""
         bits = mask[rows].to(logits.device)
         shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
         allowed = ((bits[:, :, None] >> shifts) & 1).bool().view(len(rows), -1)[:, :logits.shape[1]]

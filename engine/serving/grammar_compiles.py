@@ -9,6 +9,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
+
 from engine.structured_output import Grammars
 from ipc.requests import GenerateRequest
 
@@ -25,6 +27,8 @@ class GrammarCompiles:
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="loraplex-grammar")
         self.waiting: dict[str, bytes] = {}       # request id -> its frontend, while its constraint compiles
         self.tasks: set[asyncio.Task] = set()
+        self.jobs: dict[bytes, asyncio.Future] = {}   # constraint (as text) -> its compile in flight: the n
+                                                      # choices of one call, or many calls, wait for one compile
 
     def holds(self, identity: bytes, req: GenerateRequest) -> bool:
         """Whether `req` must wait for its constraint to compile (the compile is then started); False when it
@@ -45,10 +49,17 @@ class GrammarCompiles:
         del self.waiting[request_id]
         return True
 
+    def _job(self, spec) -> asyncio.Future:
+        key = msgspec.json.encode(spec)
+        job = self.jobs.get(key)
+        if job is None:
+            job = asyncio.get_running_loop().run_in_executor(self.thread, self.grammars.compiled, spec)
+            self.jobs[key] = job
+            job.add_done_callback(lambda f: (self.jobs.pop(key, None), f.cancelled() or f.exception()))
+        return job
+
     async def _compile(self, identity: bytes, req: GenerateRequest) -> None:
-        loop = asyncio.get_running_loop()
-        job = loop.run_in_executor(self.thread, self.grammars.compiled, req.params.structured_outputs)
-        job.add_done_callback(lambda f: f.cancelled() or f.exception())     # seen, also after a timeout
+        job = self._job(req.params.structured_outputs)
         try:
             await asyncio.wait_for(asyncio.shield(job), COMPILE_TIMEOUT_S)
         except ValueError as e:

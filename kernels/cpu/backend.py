@@ -146,6 +146,7 @@ class CpuBackend(TorchBackend):
 
     def mask_logits_(self, logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """Through the C kernel (one pass over the masked rows, words with every bit set skipped)."""
-        if logits.stride(-1) == 1 and elementwise.supports(torch.float32):
+        if logits.stride(-1) == 1 and logits.dtype in (torch.bfloat16, torch.float32) \
+                and elementwise.supports(logits.dtype):
             return elementwise.mask_logits_(logits, mask, torch.tensor(rows, dtype=torch.int64))
         return super().mask_logits_(logits, mask, rows)

@@ -28,6 +28,7 @@ LIBRARIES: dict[str, dict[str, tuple]] = {
         "write_kv": (VOID, [P, I64, P, I64, P, P, I64, P, P, I64, I64]),
         "argmax_bf16": (VOID, [P, I64, I64, I64, P]),
         "mask_logits_f32": (VOID, [P, I64, I64, P, I64, P, I64]),
+        "mask_logits_bf16": (VOID, [P, I64, I64, P, I64, P, I64]),
     },
     "gemm_avx512bf16": {"gemm_bf16": (INT, _GEMM), "gemm_amx": (INT, [I])},
     "gemm_lora_avx512bf16": {"gemm_lora_bf16": (INT, [*_GEMM, P, P, P, I, I, P, P, P, I64]), "gemm_amx": (INT, [I])},

@@ -27,7 +27,8 @@ def _fns():
         if _FNS is not None:
             _FNS["argmax"] = load_functions("elementwise", {0: "argmax_bf16"})[0]
             _FNS["write_kv"] = load_functions("elementwise", {0: "write_kv"})[0]
-            _FNS["mask_logits"] = load_functions("elementwise", {0: "mask_logits_f32"})[0]
+            _FNS.update({("mask_logits", dt): fn for dt, fn in load_functions(
+                "elementwise", {dt: f"mask_logits_{sfx}" for dt, sfx in _SUFFIX.items()}).items()})
     return _FNS
 
 
@@ -118,13 +119,14 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 
 def mask_logits_(x: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """In place, for each row r in `rows`: x[r, i] = -inf where bit i % 32 of mask[r, i // 32] is 0
-    (Backend.mask_logits_) -> x. x: [B, n] fp32; mask: [B, ceil(n / 32)] int32, contiguous; rows: int64."""
+    (Backend.mask_logits_) -> x. x: [B, n] bf16 or fp32; mask: [B, ceil(n / 32)] int32, contiguous; rows:
+    int64."""
     _rows(x)
-    assert x.dtype == torch.float32 and mask.dtype == torch.int32 and mask.is_contiguous()
+    assert mask.dtype == torch.int32 and mask.is_contiguous()
     assert mask.shape[0] == x.shape[0] and mask.shape[1] * 32 >= x.shape[1]
     rows = rows.contiguous()
-    _fns()["mask_logits"](x.data_ptr(), x.stride(0), x.shape[1], mask.data_ptr(), mask.stride(0), rows.data_ptr(),
-                          rows.numel())
+    _fns()[("mask_logits", x.dtype)](x.data_ptr(), x.stride(0), x.shape[1], mask.data_ptr(), mask.stride(0),
+                                     rows.data_ptr(), rows.numel())
     return x
 
 

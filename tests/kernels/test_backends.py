@@ -89,16 +89,18 @@ def test_argmax(name, dtype):
 
 
 @pytest.mark.parametrize("name", overriding("mask_logits_"))
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("vocab", [1000, 1024, 49155])
-def test_mask_logits(name, vocab):
+def test_mask_logits(name, dtype, vocab):
     """Exact: the masked rows' disallowed tokens are -inf, everything else as it was."""
     seeded = torch.Generator().manual_seed(8)
     mask = torch.randint(-2 ** 31, 2 ** 31 - 1, (6, (vocab + 31) // 32), dtype=torch.int32, generator=seeded)
     mask[1], mask[4] = -1, 0                                      # every token allowed; none
-    logits = randn(6, vocab, dtype=torch.float32, seed=9)
+    logits = randn(6, vocab, dtype=dtype, seed=9)
     rows = [0, 1, 3, 4]
-    want = backend("torch", torch.float32).mask_logits_(logits.clone(), mask, rows)
-    assert torch.equal(backend(name, torch.float32).mask_logits_(logits.clone(), mask, rows), want)
+    want = backend("torch", dtype).mask_logits_(logits.clone(), mask, rows)
+    assert torch.equal(backend(name, dtype).mask_logits_(logits.clone(), mask, rows), want)
+    assert want[4].isneginf().all() and torch.equal(want[[1, 2, 5]], logits[[1, 2, 5]])
 
 
 def test_the_reference_mask_is_xgrammars():

@@ -358,23 +358,28 @@ void argmax_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t n, i
     }
 }
 
-/* mask_logits_f32: for each row r = which[j] of fp32 logits [B, n] at a stride, x[r, i] <- -inf where bit
+/* mask_logits_<dtype>: for each row r = which[j] of logits [B, n] at a stride, x[r, i] <- -inf where bit
  * i % 32 of mask[r, i / 32] is 0 (a structured output's allowed tokens: xgrammar's bitmask layout, one
- * int32 word per 32 token ids, a row of ceil(n / 32) words at mask_stride). Allowed entries are untouched. */
-void mask_logits_f32(float *x, int64_t x_stride, int64_t n, const int32_t *mask, int64_t mask_stride,
-                     const int64_t *which, int64_t count) {
-    _Pragma("omp parallel for schedule(static)")
-    for (int64_t j = 0; j < count; j++) {
-        float *xr = x + which[j] * x_stride;
-        const uint32_t *mr = (const uint32_t *)(mask + which[j] * mask_stride);
-        for (int64_t w = 0; w * 32 < n; w++) {
-            const uint32_t bits = mr[w];
-            if (bits == 0xffffffffu)
-                continue;
-            const int64_t end = (w + 1) * 32 < n ? (w + 1) * 32 : n;
-            _Pragma("omp simd")
-            for (int64_t i = w * 32; i < end; i++)
-                xr[i] = (bits >> (i - w * 32)) & 1u ? xr[i] : -INFINITY;
-        }
+ * int32 word per 32 token ids, a row of ceil(n / 32) words at mask_stride). Allowed entries are untouched;
+ * words with every bit set are skipped. */
+#define MASK_LOGITS(NAME, T, NEG_INF)                                                                        \
+    void NAME(T *x, int64_t x_stride, int64_t n, const int32_t *mask, int64_t mask_stride, const int64_t *which, \
+              int64_t count) {                                                                             \
+        _Pragma("omp parallel for schedule(static)")                                                       \
+        for (int64_t j = 0; j < count; j++) {                                                              \
+            T *xr = x + which[j] * x_stride;                                                               \
+            const uint32_t *mr = (const uint32_t *)(mask + which[j] * mask_stride);                        \
+            for (int64_t w = 0; w * 32 < n; w++) {                                                         \
+                const uint32_t bits = mr[w];                                                               \
+                if (bits == 0xffffffffu)                                                                   \
+                    continue;                                                                              \
+                const int64_t end = (w + 1) * 32 < n ? (w + 1) * 32 : n;                                   \
+                _Pragma("omp simd")                                                                        \
+                for (int64_t i = w * 32; i < end; i++)                                                     \
+                    xr[i] = (bits >> (i - w * 32)) & 1u ? xr[i] : (NEG_INF);                               \
+            }                                                                                              \
+        }                                                                                                  \
     }
-}
+
+MASK_LOGITS(mask_logits_f32, float, -INFINITY)
+MASK_LOGITS(mask_logits_bf16, uint16_t, (uint16_t)0xff80u)   /* bf16 -inf */

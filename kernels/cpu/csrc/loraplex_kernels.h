@@ -38,6 +38,8 @@ void write_kv(const char *k, int64_t k_stride, const char *v, int64_t v_stride, 
 void argmax_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t n, int64_t *out);
 void mask_logits_f32(float *x, int64_t x_stride, int64_t n, const int32_t *mask, int64_t mask_stride,
                      const int64_t *which, int64_t count);
+void mask_logits_bf16(uint16_t *x, int64_t x_stride, int64_t n, const int32_t *mask, int64_t mask_stride,
+                      const int64_t *which, int64_t count);
 
 /* gemm_avx512bf16.c, gemm_lora_avx512bf16.c, gemm_avx2.c */
 int gemm_bf16(const uint16_t *x, int64_t xs, const uint16_t *p, uint16_t *y, int64_t ys, int M, int K, int N);

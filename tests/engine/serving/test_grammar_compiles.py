@@ -16,12 +16,13 @@ class SlowGrammars:
     """Compiles when `go` is set; regexes starting with "(" fail."""
 
     def __init__(self):
-        self.go, self.done = threading.Event(), set()
+        self.go, self.done, self.calls = threading.Event(), set(), 0
 
     def is_compiled(self, spec) -> bool:
         return spec.regex in self.done
 
     def compiled(self, spec):
+        self.calls += 1
         self.go.wait(30)
         if spec.regex.startswith("("):
             raise ValueError("structured_outputs.regex: the parenthesis is not closed")
@@ -90,3 +91,12 @@ async def test_a_request_aborted_while_it_compiles_is_dropped():
     c.grammars.go.set()
     await settle(c)
     assert back == [] and refused == []
+
+
+async def test_requests_with_one_constraint_wait_for_one_compile():
+    """The n choices of one call (or many calls) with the same constraint: one compile, all of them back."""
+    c, back, refused = compiles()
+    assert all(c.holds(b"f", request(f"c{i}", "[0-9]+")) for i in range(4))
+    c.grammars.go.set()
+    await settle(c)
+    assert c.grammars.calls == 1 and sorted(rid for _, rid in back) == ["c0", "c1", "c2", "c3"] and not c.jobs

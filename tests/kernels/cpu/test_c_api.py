@@ -30,7 +30,7 @@ def declared() -> dict[str, tuple]:
 def test_the_ctypes_signatures_are_the_headers():
     decl = declared()
     table = {fn: sig for lib in c_api.LIBRARIES.values() for fn, sig in lib.items()}
-    assert len(decl) == 27 and set(decl) == set(table), set(decl) ^ set(table)
+    assert len(decl) == 29 and set(decl) == set(table), set(decl) ^ set(table)
     for fn, (ret, args) in table.items():
         assert decl[fn] == (ret, list(args)), fn
 
