@@ -28,7 +28,7 @@ class Grammars:
 
     def __init__(self, tokenizer_path: str, vocab_size: int, eos: tuple[int, ...]):
         self.tokenizer_path, self.vocab_size, self.eos = tokenizer_path, vocab_size, eos
-        self._compiler = None
+        self._compiler = self._info = None
         self._compiled: OrderedDict[bytes, object] = OrderedDict()
         self._lock = threading.Lock()             # the cache
         self._init_lock = threading.Lock()        # the compiler, made at the first constrained request
@@ -48,22 +48,32 @@ class Grammars:
             return msgspec.json.encode(spec) in self._compiled
 
     def compiled(self, spec: StructuredOutputsParams):
-        """`spec` compiled (from the cache, or now); ValueError naming what is wrong with it. Compiles run
-        outside the lock: a slow one holds up no cache lookup."""
+        """`spec` compiled (from the cache, or now, in this thread); ValueError naming what is wrong with it.
+        Compiles run outside the lock: a slow one holds up no cache lookup. (The server compiles in a child
+        process instead, engine/serving/compile_worker.py, and install()s the result.)"""
         key = msgspec.json.encode(spec)
         with self._lock:
             hit = self._compiled.get(key)
             if hit is not None:
                 self._compiled.move_to_end(key)
                 return hit
-        grammar = self._compile(spec)
+        grammar = self.compile_new(spec)
+        self._keep(key, grammar)
+        return grammar
+
+    def install(self, spec: StructuredOutputsParams, serialized: str) -> None:
+        """Keep a grammar compiled elsewhere (xgrammar's CompiledGrammar.serialize_json of `spec`)."""
+        import xgrammar as xgr
+        self._keep(msgspec.json.encode(spec), xgr.CompiledGrammar.deserialize_json(serialized, self.tokenizer_info()))
+
+    def _keep(self, key: bytes, grammar) -> None:
         with self._lock:
             self._compiled[key] = grammar
             if len(self._compiled) > COMPILED_CACHE:
                 self._compiled.popitem(last=False)
-        return grammar
 
-    def _compile(self, spec: StructuredOutputsParams):
+    def compile_new(self, spec: StructuredOutputsParams):
+        """`spec` compiled now (no cache); ValueError naming what is wrong with it."""
         import json
 
         import xgrammar as xgr
@@ -85,14 +95,23 @@ class Grammars:
                 if not spec.json_object else "json_object"
             raise ValueError(f"structured_outputs.{kind}: {_reason(e)}") from None
 
-    def _compiler_(self):
+    def tokenizer_info(self):
+        """xgrammar's table of the tokenizer's tokens (built once: ~0.2 s)."""
         with self._init_lock:
-            if self._compiler is None:
+            if self._info is None:
                 import xgrammar as xgr
 
                 from engine.tokenizer import load_tokenizer
-                info = xgr.TokenizerInfo.from_huggingface(load_tokenizer(self.tokenizer_path),
-                                                          vocab_size=self.vocab_size, stop_token_ids=list(self.eos))
+                self._info = xgr.TokenizerInfo.from_huggingface(load_tokenizer(self.tokenizer_path),
+                                                                vocab_size=self.vocab_size,
+                                                                stop_token_ids=list(self.eos))
+            return self._info
+
+    def _compiler_(self):
+        info = self.tokenizer_info()
+        with self._init_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compiler
 

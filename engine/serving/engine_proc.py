@@ -112,6 +112,7 @@ class AsyncEngine:
         finally:
             for t in tasks:
                 t.cancel()
+            self.compiles.close()                   # the compile worker, if one was started
             self.sock.close(linger=2000)
 
     def drain(self) -> None:

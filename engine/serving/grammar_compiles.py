@@ -1,8 +1,10 @@
 """Structured-output constraints compiled beside the step loop (engine process). A request whose constraint
-is not compiled yet waits here, not in the scheduler, while one thread compiles it (xgrammar releases the GIL:
-the steps go on); then it goes back to the engine's inbox and is added as any other. A constraint that does
-not compile is a 400 for its request alone; one that takes longer than COMPILE_TIMEOUT_S too (its compile
-finishes in the background and is cached, so the thread is the only cost, once)."""
+is not compiled yet waits here, not in the scheduler, while a thread of its own has the compile worker
+(engine/serving/compile_worker.py, a child process) compile it; then the request goes back to the engine's
+inbox and is added as any other. A constraint that does not compile is a 400 for its request alone; one
+whose compile takes longer than COMPILE_TIMEOUT_S too, and its worker is killed, so it costs no more than
+that (the next compile starts a fresh worker). Requests with the same constraint wait for one compile; the
+others queue behind it, each compile timed from its own start."""
 from __future__ import annotations
 
 import asyncio
@@ -11,28 +13,33 @@ from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
+from engine.serving.compile_worker import CompileTimeout, CompileWorker
 from engine.structured_output import Grammars
 from ipc.requests import GenerateRequest
+from ipc.sampling_params import StructuredOutputsParams
 
 COMPILE_TIMEOUT_S = 10.0
 
 
 class GrammarCompiles:
     """requeue(identity, request): hand a request back to the engine's inbox; refuse(identity, request_id,
-    reason, status): answer it with an error."""
+    reason, status): answer it with an error. compile(spec): compile and keep `spec` in `grammars`, or raise
+    ValueError (run on this object's thread; the worker's by default)."""
 
     def __init__(self, grammars: Grammars, requeue: Callable[[bytes, GenerateRequest], None],
-                 refuse: Callable[[bytes, str, str, int], Awaitable[None]]):
+                 refuse: Callable[[bytes, str, str, int], Awaitable[None]],
+                 compile: Callable[[StructuredOutputsParams], None] | None = None):
         self.grammars, self.requeue, self.refuse = grammars, requeue, refuse
+        self.worker = CompileWorker(grammars.tokenizer_path, grammars.vocab_size, grammars.eos)
+        self.compile = compile or self._in_worker
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="loraplex-grammar")
         self.waiting: dict[str, bytes] = {}       # request id -> its frontend, while its constraint compiles
         self.tasks: set[asyncio.Task] = set()
-        self.jobs: dict[bytes, asyncio.Future] = {}   # constraint (as text) -> its compile in flight: the n
-                                                      # choices of one call, or many calls, wait for one compile
+        self.jobs: dict[bytes, asyncio.Future] = {}   # constraint (as text) -> its compile in flight
 
     def holds(self, identity: bytes, req: GenerateRequest) -> bool:
-        """Whether `req` must wait for its constraint to compile (the compile is then started); False when it
-        has none or it is compiled already."""
+        """Whether `req` must wait for its constraint to compile (the compile is then started, or joined);
+        False when it has none or it is compiled already."""
         spec = req.params.structured_outputs
         if spec is None or self.grammars.is_compiled(spec):
             return False
@@ -49,26 +56,34 @@ class GrammarCompiles:
         del self.waiting[request_id]
         return True
 
-    def _job(self, spec) -> asyncio.Future:
+    def close(self) -> None:
+        self.worker.close()
+
+    def _in_worker(self, spec: StructuredOutputsParams) -> None:
+        try:
+            text = self.worker.compile(spec, COMPILE_TIMEOUT_S)
+        except CompileTimeout:
+            raise ValueError(f"structured_outputs: the constraint did not compile within {COMPILE_TIMEOUT_S:.0f} s; "
+                             f"make it smaller (bounded repetitions, fewer and shorter patterns)") from None
+        self.grammars.install(spec, text)
+
+    def _job(self, spec: StructuredOutputsParams) -> asyncio.Future:
         key = msgspec.json.encode(spec)
         job = self.jobs.get(key)
         if job is None:
-            job = asyncio.get_running_loop().run_in_executor(self.thread, self.grammars.compiled, spec)
+            job = asyncio.get_running_loop().run_in_executor(self.thread, self.compile, spec)
             self.jobs[key] = job
-            job.add_done_callback(lambda f: (self.jobs.pop(key, None), f.cancelled() or f.exception()))
+            job.add_done_callback(lambda f: self.jobs.pop(key, None))
         return job
 
     async def _compile(self, identity: bytes, req: GenerateRequest) -> None:
-        job = self._job(req.params.structured_outputs)
         try:
-            await asyncio.wait_for(asyncio.shield(job), COMPILE_TIMEOUT_S)
+            await asyncio.shield(self._job(req.params.structured_outputs))
+            error = None
         except ValueError as e:
             error = str(e)
-        except asyncio.TimeoutError:
-            error = (f"structured_outputs: the constraint did not compile within {COMPILE_TIMEOUT_S:.0f} s; "
-                     f"make it smaller (bounded repetitions, fewer and shorter patterns)")
-        else:
-            error = None
+        except Exception as e:  # noqa: BLE001 - the pipe, say: the request is answered, the engine goes on
+            error = f"structured_outputs: the grammar compiler failed ({type(e).__name__}: {e})"
         if self.waiting.pop(req.request_id, None) is None:
             return                                 # aborted meanwhile
         if error is not None:
