@@ -35,6 +35,11 @@ RATE_LIMITED = Counter("loraplex_tenant_rate_limited", "Requests refused by thei
 PREEMPTIONS = Counter("loraplex_preemptions", "Requests preempted when the pool ran out")
 FAILED_STEPS = Counter("loraplex_failed_steps", "Model steps that raised (their requests are then run one by one "
                        "to find the one that causes it)")
+GRAMMAR_COMPILES = Counter("loraplex_grammar_compiles", "Structured-output constraints compiled (in the compile "
+                           "worker) by outcome: 'ok', 'error' (a 400 naming what is wrong), 'timeout' (a 400; the "
+                           "worker killed)", ["outcome"])
+GRAMMAR_COMPILE_SECONDS = Histogram("loraplex_grammar_compile_seconds", "A constraint's compile, the worker's start "
+                                    "included when it started one", buckets=_LAT)
 GENERATED_TOKENS = Counter("loraplex_generation_tokens", "Tokens generated")
 
 # frontend processes

@@ -8,11 +8,13 @@ others queue behind it, each compile timed from its own start."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
+from engine import metrics
 from engine.serving.compile_worker import CompileTimeout, CompileWorker
 from engine.structured_output import Grammars
 from ipc.requests import GenerateRequest
@@ -60,11 +62,17 @@ class GrammarCompiles:
         self.worker.close()
 
     def _in_worker(self, spec: StructuredOutputsParams) -> None:
+        start, outcome = time.monotonic(), "error"
         try:
             text = self.worker.compile(spec, COMPILE_TIMEOUT_S)
+            outcome = "ok"
         except CompileTimeout:
+            outcome = "timeout"
             raise ValueError(f"structured_outputs: the constraint did not compile within {COMPILE_TIMEOUT_S:.0f} s; "
                              f"make it smaller (bounded repetitions, fewer and shorter patterns)") from None
+        finally:
+            metrics.GRAMMAR_COMPILES.labels(outcome).inc()
+            metrics.GRAMMAR_COMPILE_SECONDS.observe(time.monotonic() - start)
         self.grammars.install(spec, text)
 
     def _job(self, spec: StructuredOutputsParams) -> asyncio.Future:

@@ -597,7 +597,7 @@ def test_frontends_tokenize_without_torch(server):
     assert "libtorch" in open(f"/proc/{engines[0]}/maps").read()      # the check sees torch where it is
 
 
-def test_structured_outputs_as_openai_and_vllm_clients_ask_for_them(client):
+def test_structured_outputs_as_openai_and_vllm_clients_ask_for_them(server, client):
     """response_format json_schema / json_object (OpenAI), structured_outputs and guided_choice (vLLM), on
     chat and completions, streamed or not; a constraint the engine cannot compile, or two of them, is a 400."""
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
@@ -629,3 +629,7 @@ def test_structured_outputs_as_openai_and_vllm_clients_ask_for_them(client):
     plain = client.chat.completions.create(model=BASE, messages=msgs, max_tokens=4, temperature=0,
                                            response_format={"type": "text"})
     assert plain.choices[0].message.content
+    text = requests.get(server.url + "/metrics", headers=AUTH, timeout=10).text
+    assert metric(text, "loraplex_grammar_compiles_total", 'outcome="ok"') >= 4
+    assert metric(text, "loraplex_grammar_compiles_total", 'outcome="error"') >= 1
+    assert metric(text, "loraplex_grammar_compile_seconds_count") >= 5
