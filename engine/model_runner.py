@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 import torch
 
 from engine import envs
@@ -166,6 +167,9 @@ class ModelRunner:
         raw = logits
         if any(r.grammar is not None for r in reqs):
             logits = constrain(logits, [r.grammar for r in reqs], self.backend.mask_logits_)
+            # the constraint says where the output ends: min_tokens must not ban the one token it allows then
+            params = [msgspec.structs.replace(p, min_tokens=0) if r.grammar is not None and p.min_tokens else p
+                      for r, p in zip(reqs, params)]
         tokens = self.sampler.sample(logits, params, [r.num_resumed + len(r.output_token_ids) for r in reqs], history)
         lps = {row: lp for row, lp in zip(inp.sample_rows, logprobs(raw, tokens, params)) if lp is not None}
         return ModelOutput(dict(zip(inp.sample_rows, tokens)), lps)

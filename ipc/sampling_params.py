@@ -43,8 +43,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True, kw_only=True):
     to given token ids; `repetition_penalty` (HF/CTRL style, 1 = off) divides the positive logits and
     multiplies the negative ones of every token seen in the prompt or the output; `frequency_penalty`
     subtracts penalty x count and `presence_penalty` subtracts penalty once, for each token already in
-    the output. `structured_outputs` then keeps only the tokens its constraint allows. Reported logprobs are
-    those of the unprocessed logits. `prompt_logprobs` asks for every
+    the output. `structured_outputs` then keeps only the tokens its constraint allows, and ends the output
+    where the constraint is complete (min_tokens and ignore_eos give way to it). Reported logprobs are those
+    of the unprocessed logits. `prompt_logprobs` asks for every
     prompt token's logprob where it was predicted (the whole prompt is then computed: no prefix-cache hit).
     """
     temperature: float = 1.0

@@ -57,6 +57,15 @@ def test_json_object_regex_choice_and_grammar(llm):
     assert grammar.text in ("The answer is A.", "The answer is B.")
 
 
+def test_the_constraint_says_where_the_output_ends_whatever_min_tokens_and_ignore_eos_say(llm):
+    params = [SamplingParams(temperature=0, max_tokens=16, min_tokens=10, ignore_eos=ignore,
+                             structured_outputs=StructuredOutputsParams(choice=["yes", "no"])) for ignore in (0, 1)]
+    for out in llm.generate(["Is water wet? Answer:"] * 2, params):
+        c = out.outputs[0]
+        assert c.text in ("yes", "no") and c.finish_reason == "stop", c
+        assert c.token_ids[-1] in llm.engine.cfg.model.eos_token_ids, c.token_ids      # not a token all masked
+
+
 def test_rows_without_a_constraint_are_untouched_and_logprobs_are_the_raw_models(llm):
     plain = SamplingParams(temperature=0, max_tokens=12, logprobs=3)
     alone = llm.generate("Once upon a time", plain)[0].outputs[0]
