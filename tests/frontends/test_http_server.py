@@ -584,6 +584,32 @@ def test_kill_9_of_the_engine_loses_no_in_flight_request(server, client, served_
     assert out.usage.completion_tokens == 3
 
 
+def test_kill_9_of_the_engine_mid_constrained_stream_gives_the_same_json(server, client):
+    """After the test above (the engine it restarted is found by its command line): a stream under a JSON
+    schema, the engine SIGKILLed after a few chunks; the resent request compiles its constraint in the new
+    engine, replays the tokens so far through it, and ends with the JSON an uninterrupted call gives."""
+    import os
+    import signal
+    children = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(server.proc.pid)], capture_output=True,
+                              text=True).stdout.splitlines()
+    pid = next(int(c.split()[0]) for c in children if "engine.serving.engine_proc" in c)
+    restarts = "".join(server.lines).count("engine restarted")
+    schema = {"type": "object", "properties": {"items": {"type": "array", "minItems": 6, "maxItems": 8,
+                                                         "items": {"type": "string", "maxLength": 30}}},
+              "required": ["items"], "additionalProperties": False}
+    kw = dict(model=BASE, messages=[{"role": "user", "content": "List six fruits as JSON."}], max_tokens=150,
+              temperature=0, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    text, chunks = "", 0
+    for ch in client.chat.completions.create(stream=True, **kw):
+        if ch.choices and ch.choices[0].delta.content:
+            text, chunks = text + ch.choices[0].delta.content, chunks + 1
+            if chunks == 6:
+                os.kill(pid, signal.SIGKILL)
+    assert chunks > 6 and len(json.loads(text)["items"]) >= 6
+    assert "".join(server.lines).count("engine restarted") == restarts + 1
+    assert client.chat.completions.create(**kw).choices[0].message.content == text
+
+
 def test_frontends_tokenize_without_torch(server):
     """A frontend only tokenizes: its process never maps torch (engine/tokenizer.py tokenizer_only)."""
     children = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(server.proc.pid)], capture_output=True,
