@@ -2,11 +2,12 @@
 regex, choices or an EBNF grammar) compiled by xgrammar for the engine's tokenizer, and a matcher per request
 that masks, each step, the tokens that would leave the language and follows the tokens sampled.
 
-Compiling takes a few milliseconds (a cache keeps the last COMPILED_CACHE constraints); the tokenizer's
-table is built once, at the first constrained request (~0.2 s, and xgrammar's import ~2 s, paid by that
-request alone). Masks are applied to an fp32 copy of the logits: logprobs stay those of the raw logits, as
-for logit_bias and the penalties. JSON is compact (no free whitespace between tokens): a model cannot loop
-on blanks until max_tokens.
+Compiling a usual constraint takes a few milliseconds (a cache keeps the last COMPILED_CACHE); the offline
+LLM compiles here, the server in a child process it can kill (engine/serving/compile_worker.py) and
+install()s the result. The tokenizer's table is built once, at the first constrained request (~0.2 s, and
+xgrammar's import ~2 s). Masks are applied to a copy of the logits in their own dtype (-inf is exact in
+bf16): logprobs stay those of the raw logits, as for logit_bias and the penalties. JSON is compact (no free
+whitespace between tokens): a model cannot loop on blanks until max_tokens.
 """
 from __future__ import annotations
 

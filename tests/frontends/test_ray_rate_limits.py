@@ -1,5 +1,5 @@
 """A tenant's rate limits hold across `loraplex serve --replicas 2` (frontends/ray_replica.py shares each
-engine's charges through the Directory once a second): its requests, spread over both replicas, are let in
+engine's charges through the Directory twice a second, RATE_SYNC_S): its requests, spread over both replicas, are let in
 one minute's worth in all, not one each. Tiny random Llama on a local Ray instance."""
 from __future__ import annotations
 
