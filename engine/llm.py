@@ -78,10 +78,12 @@ class LLM:
         return self._run(token_lists, [p if isinstance(p, str) else None for p in prompts], params, adapter, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
-             adapter: str | None | Sequence[str | None] = None, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation and generate."""
+             adapter: str | None | Sequence[str | None] = None, use_tqdm: bool = False,
+             tools: list[dict] | None = None, chat_template: str | None = None) -> list[RequestOutput]:
+        """Apply the chat template (`chat_template`'s text, or the model's) to each conversation and generate;
+        `tools` (OpenAI's function definitions) reach the template, as vLLM's `LLM.chat`."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        token_lists = [encode_chat(self.tokenizer, c) for c in convs]
+        token_lists = [encode_chat(self.tokenizer, c, tools, chat_template) for c in convs]
         return self._run(token_lists, [None] * len(convs), params, adapter, use_tqdm)
 
     @staticmethod

@@ -59,14 +59,31 @@ def generic_tokenizer_folder(path: str) -> bool:
     return kind not in auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS and registered != "MistralCommonBackend"
 
 
-def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict]) -> list[int]:
-    """Apply the model's chat template with the assistant prompt appended; return token ids."""
+def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None = None,
+                chat_template: str | None = None) -> list[int]:
+    """Apply the chat template (`chat_template`, or the model's own) with the assistant prompt appended;
+    return token ids. Each message has a role and string content ("" for an assistant turn that only calls
+    tools); `tools` (OpenAI's function definitions) reach the template as its `tools` variable, which
+    tool-aware templates describe to the model (others ignore it)."""
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
         if not isinstance(m["content"], str):
             raise ValueError(f"messages[{i}].content must be a string")
-    if tok.chat_template is None:
-        raise ValueError("this model has no chat template: use /v1/completions with a prompt")
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    template = chat_template or tok.chat_template
+    if template is None:
+        raise ValueError("this model has no chat template: use /v1/completions with a prompt, or give the "
+                         "server one (--chat-template)")
+    text = tok.apply_chat_template(messages, tools=tools or None, chat_template=template,
+                                   add_generation_prompt=True, tokenize=False)
     return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """--chat-template: a Jinja file's text (None: the model's own template)."""
+    if not path:
+        return None
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--chat-template: cannot read {path}: {e}") from None

@@ -84,9 +84,7 @@ class Generation(msgspec.Struct, kw_only=True):
     # OpenAI / vLLM fields this server does not implement: refused by name unless they say "off"
     suffix: Any = None
     best_of: Any = None
-    tools: Any = None
     functions: Any = None
-    tool_choice: Any = None
     use_beam_search: Any = None
     prompt_logprobs: Any = None
 
@@ -97,6 +95,8 @@ class CompletionRequest(Generation, kw_only=True):
     prompt: Union[str, list[Union[TokenId, str, list[TokenId]]]]
     echo: bool | None = None
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Any = None           # chat only: refused here
+    tool_choice: Any = None
 
 
 class TextPart(msgspec.Struct, kw_only=True):
@@ -104,17 +104,66 @@ class TextPart(msgspec.Struct, kw_only=True):
     text: str
 
 
+FunctionName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.:-]{1,64}$", description=(
+    "a function's name: 1-64 letters, digits, '_', '-', '.' or ':'"))]
+
+
+class FunctionCall(msgspec.Struct, kw_only=True):
+    """A call the assistant made, as OpenAI's answers give it back: `arguments` is JSON text."""
+    name: str
+    arguments: str
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """One entry of an assistant message's `tool_calls` (a turn sent back in the conversation)."""
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
+    """One turn. `content` may be null only on an assistant turn that calls tools; a `tool` turn answers
+    the call named by `tool_call_id`."""
     role: Literal["system", "user", "assistant", "tool", "developer"]     # OpenAI's roles, nothing else
-    content: Union[str, list[TextPart]]
+    content: Union[str, list[TextPart], None] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict | None = msgspec.field(default=None)     # a JSON schema of the arguments (an object)
+    strict: bool | None = None
+
+
+class ChatTool(msgspec.Struct, kw_only=True):
+    """OpenAI's tool definition: a function the model may call."""
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    """`tool_choice` naming one function: the answer is a call of it."""
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(Generation, kw_only=True):
-    """POST /v1/chat/completions."""
+    """POST /v1/chat/completions. With `tools`: `tool_choice` "none" (text only), "auto" (the model decides;
+    needs the server's --tool-call-parser), "required" (one call or more, any of the tools) or a named
+    function (a call of it); frontends/tool_calls.py."""
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: Annotated[list[ChatTool], Meta(max_length=128)] | None = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: bool | None = None
     echo: Any = None     # completions only: refused here
 
 
@@ -136,6 +185,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     model: Annotated[str, Meta(min_length=1, description="the base model's name or an adapter's name")]
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
+    tools: Annotated[list[ChatTool], Meta(max_length=128)] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

@@ -107,9 +107,23 @@ class Completion(_Shape, kw_only=True):
 
 
 # -- chat completions -------------------------------------------------------------------------------------
+class FunctionCall(_Shape, kw_only=True):
+    name: str
+    arguments: str                        # JSON text of the arguments
+
+
+class ToolCall(_Shape, kw_only=True):
+    """A call the model made (frontends/tool_calls.py): `id` is what the `tool` turn answering it names."""
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(_Shape, kw_only=True):
+    """`content` null when the answer is only tool calls."""
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Shape, kw_only=True):
@@ -128,10 +142,25 @@ class ChatCompletion(_Shape, kw_only=True):
     usage: Usage
 
 
+class FunctionCallDelta(_Shape, kw_only=True):
+    name: str | None = None               # on the call's first delta
+    arguments: str | None = None          # the next piece of its JSON text
+
+
+class ToolCallDelta(_Shape, kw_only=True):
+    """A piece of the tool call `index` of the choice: its id, type and name on its first piece only."""
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class Delta(_Shape, kw_only=True):
-    """What a chunk adds to a choice's message: the role on its first chunk only."""
+    """What a chunk adds to a choice's message: the role on its first chunk only; text, or tool calls'
+    pieces (frontends/tool_calls.py), or neither (a chunk that only carries logprobs or the finish)."""
     role: Literal["assistant"] | None = None
-    content: str
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Shape, kw_only=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from engine import envs
@@ -40,6 +41,34 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="serve every subfolder holding a PEFT adapter under the folder's name (read when first used)")
     p.add_argument("--scheduling-policy", choices=tuple(POLICIES), default=None,
                    help="vtc (default): the tenant served the fewest tokens goes next; fair: the fewest running; fcfs")
+
+
+def _chat_args(p: argparse.ArgumentParser) -> None:
+    from frontends.tool_parsers import PARSERS
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja file to render chat messages with instead of the model's own template")
+    p.add_argument("--tool-call-parser", default=None, choices=tuple(PARSERS),
+                   help="how the model writes tool calls, for tool_choice 'auto' (hermes: <tool_call> blocks, as "
+                        "Hermes and Qwen; llama3_json: a JSON object, as Llama 3.1)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM's command lines: tool_choice 'auto' is on whenever --tool-call-parser is")
+
+
+def chat_argv(args: argparse.Namespace) -> list[str]:
+    """The frontends' flags for chat: --chat-template (checked here: readable Jinja) and --tool-call-parser."""
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    out = ["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []
+    if args.chat_template:
+        from jinja2 import Environment, TemplateSyntaxError
+
+        from engine.tokenizer import read_chat_template
+        try:
+            Environment().parse(read_chat_template(args.chat_template))
+        except TemplateSyntaxError as e:
+            raise ValueError(f"--chat-template: {args.chat_template} line {e.lineno}: {e.message}") from None
+        out += ["--chat-template", os.path.abspath(args.chat_template)]
+    return out
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -98,7 +127,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     return serve(kwargs, args.adapter_dir, args.host, args.port, args.frontends, args.api_key, loading, args.auth,
                  (args.stream_timeout, args.stream_buffer), shutdown_timeout=args.shutdown_timeout,
-                 log_requests=args.enable_log_requests, auth_source=source)
+                 log_requests=args.enable_log_requests, auth_source=source, chat_args=chat_argv(args))
 
 
 def _with_metrics_key(table: dict | None, metrics_key: str | None) -> dict | None:
@@ -178,6 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM / SIGINT: stop taking connections, give running requests this many seconds "
                         "to finish, then stop the engine (keep it below your orchestrator's grace period)")
+    _chat_args(s)
     s.add_argument("--enable-log-requests", action="store_true",
                    help="log one JSON line per POST /v1/* request (id, tenant, model, status, tokens, times; "
                         "no prompt or text)")
@@ -198,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-i", "--input", required=True, help="the requests, one JSON object a line ('-': stdin)")
     b.add_argument("-o", "--output", required=True, help="where the answers go, in the input's order ('-': stdout)")
     b.add_argument("--max-concurrency", type=int, default=64, help="requests in flight at once")
+    _chat_args(b)
     b.set_defaults(func=_run_batch)
     return parser
 

@@ -41,17 +41,17 @@ class CompletionsEndpoint(GenerationEndpoint):
     def format_logprobs(self, entries: list, offset: int) -> r.CompletionLogprobs:
         return completion_logprobs(entries, self.token_text, offset)
 
-    def view(self, ids: list[int], echo: str | None, prompt_only: bool) -> Plain:
+    def view(self, req, ids: list[int], echo: str | None, prompt_only: bool) -> Plain:
         if echo is None:
-            return super().view(ids, echo, prompt_only)
+            return super().view(req, ids, echo, prompt_only)
         return Echo(echo, ids, prompt_only, self.format_logprobs, self.token_text)
 
     def answer(self, rid: str, model: str, choices: list[tuple], usage: r.Usage) -> r.Completion:
         return r.Completion(id=rid, object="text_completion", created=int(time.time()), model=model, usage=usage,
                             choices=[r.CompletionChoice(index=i, text=text, finish_reason=finish, logprobs=lps)
-                                     for i, (text, finish, lps) in enumerate(choices)])
+                                     for i, (text, finish, lps, _) in enumerate(choices)])
 
-    def chunk(self, rid, model, index, text, finish, first, logprobs) -> r.Completion:
+    def chunk(self, rid, model, index, text, finish, first, logprobs, view) -> r.Completion:
         return r.Completion(id=rid, object="text_completion", created=int(time.time()), model=model,
                             choices=[r.CompletionChoice(index=index, text=text, finish_reason=finish,
                                                         logprobs=logprobs)])

@@ -59,19 +59,26 @@ class GenerationEndpoint(ABC):
 
     @abstractmethod
     def answer(self, rid: str, model: str, choices: list[tuple], usage: Usage):
-        """The whole answer; choices: (text, finish_reason, logprobs or None) per choice, in index order."""
+        """The whole answer; choices: (text, finish_reason, logprobs or None, view) per choice, in index
+        order (view: the choice's `view`)."""
 
     @abstractmethod
-    def chunk(self, rid: str, model: str, index: int, text: str, finish: str | None, first: bool, logprobs):
-        """One event of a streamed answer: what choice `index` adds (first: its first event)."""
+    def chunk(self, rid: str, model: str, index: int, text: str, finish: str | None, first: bool, logprobs, view):
+        """One event of a streamed answer: what choice `index` adds (first: its first event; view: the
+        choice's `view`, which may hold state across its events); None: nothing to send yet."""
 
     @abstractmethod
     def usage_chunk(self, rid: str, model: str, usage: Usage):
         """The last event of a stream with `stream_options.include_usage`: no choices, the usage."""
 
-    def view(self, ids: list[int], echo: str | None, prompt_only: bool) -> Plain:
-        """How a choice's text and logprobs are shown (completions override it for echo)."""
+    def view(self, req, ids: list[int], echo: str | None, prompt_only: bool) -> Plain:
+        """How one choice's text and logprobs are shown (completions override it for echo, chat for tools);
+        one object per choice."""
         return Plain(self.format_logprobs, self.token_text)
+
+    def constraint(self, req):
+        """An output constraint the route itself sets (chat: a tool call's schema), or None."""
+        return None
 
     # -- the flow ---------------------------------------------------------------------------------------
     async def __call__(self, request: web.Request) -> web.StreamResponse:
@@ -86,8 +93,7 @@ class GenerationEndpoint(ABC):
         n, stream, tenant = req.n or 1, bool(req.stream), caller.tenant
         total = len(prompts) * n
         request_fields.check_choices(tenant, len(prompts), n)
-        views = [self.view(ids, text, prompt_only) for ids, text in prompts]
-        views = [views[k // n] for k in range(total)]                 # choice k: prompt k // n's
+        views = [self.view(req, *prompts[k // n], prompt_only) for k in range(total)]   # choice k: prompt k // n's
         salt = caller.cache_salt(req.cache_salt)
         await self.client.until_healthy()    # a bad request is answered at once, also while the engine restarts
         rid = f"{self.id_prefix}-{uuid.uuid4().hex}"
@@ -115,7 +121,8 @@ class GenerationEndpoint(ABC):
                 prompt_only = request_fields.check_length(req, len(ids), self.client.status.max_model_len,
                                                           self.prompt_field, echo)
         request_fields.refuse_unsupported(req, self.refused)
-        params = request_fields.sampling_params(req, self.logprobs_count(req), self.default_max_tokens, prompt_only)
+        params = request_fields.sampling_params(req, self.logprobs_count(req), self.default_max_tokens, prompt_only,
+                                                self.constraint(req))
         if echo and params.logprobs is not None:
             params = msgspec.structs.replace(params, prompt_logprobs=params.logprobs)
         return params, prompt_only
@@ -151,7 +158,7 @@ class GenerationEndpoint(ABC):
         done = await collect(gens, lambda out: self.observe(adapter, out.finish_reason, start))
         use = choices_usage([c.final for c in done], n, views[0].prompt_only)
         choices = [(view.text(c.text, True), finish_reason(c.final.finish_reason),
-                    view.logprobs(c.entries, c.prompt_logprobs, 0, True) if logprobs else None)
+                    view.logprobs(c.entries, c.prompt_logprobs, 0, True) if logprobs else None, view)
                    for c, view in zip(done, views)]
         resp = web.Response(body=encode(self.answer(rid, model, choices, use)), content_type="application/json")
         await resp.prepare(request)

@@ -16,7 +16,7 @@ from pathlib import Path
 from aiohttp import web
 
 from engine import envs, metrics
-from engine.tokenizer import load_tokenizer, tokenizer_only
+from engine.tokenizer import load_tokenizer, read_chat_template, tokenizer_only
 from frontends import api_requests, ready
 from frontends import api_responses as r
 from frontends.api_error import ApiError
@@ -32,6 +32,7 @@ from frontends.request_id import HEADER as REQUEST_ID
 from frontends.request_id import new_request_id
 from frontends.request_log import note, request_log_middleware
 from frontends.tokenize_endpoint import TokenizeEndpoints
+from frontends.tool_parsers import PARSERS
 
 log = logging.getLogger("loraplex.http")
 DASHBOARD = (Path(__file__).parent / "dashboard.html").read_text()
@@ -42,14 +43,17 @@ class OpenAIServer:
     models, adapter loading (admin), health, metrics and the OpenAPI document. Every JSON answer is an
     api_responses struct."""
 
-    def __init__(self, client: AsyncEngineClient, auth: Auth, stream_timeout: float = 60.0, log_requests: bool = False):
-        """log_requests: one JSON line per POST /v1/* request (frontends/request_log.py)."""
+    def __init__(self, client: AsyncEngineClient, auth: Auth, stream_timeout: float = 60.0, log_requests: bool = False,
+                 tool_parser: str | None = None, chat_template: str | None = None):
+        """log_requests: one JSON line per POST /v1/* request (frontends/request_log.py); tool_parser,
+        chat_template: --tool-call-parser and --chat-template's text (frontends/chat_endpoint.py)."""
         self.client, self.log_requests = client, log_requests
         self.headers = {"X-Loraplex-Frontend": client.client_id}
         self.auth = auth
         tokenizer, labels = load_tokenizer(client.status.model_path), metrics.AdapterLabels()
         self.completions = CompletionsEndpoint(client, tokenizer, labels, stream_timeout)
-        self.chat = ChatEndpoint(client, tokenizer, labels, stream_timeout)
+        self.chat = ChatEndpoint(client, tokenizer, labels, stream_timeout, tool_parser=tool_parser,
+                                 chat_template=chat_template)
         self.tokens = TokenizeEndpoints(self.completions, self.chat)
         self.document = openapi_document(secured=auth.enabled)
 
@@ -161,11 +165,12 @@ class OpenAIServer:
 
 async def serve(engine_address: str, host: str, port: int, auth: Auth, frontend_id: str,
                 stream_timeout: float = 60.0, stream_buffer: int = MAX_BUFFERED,
-                shutdown_timeout: float = 30.0, log_requests: bool = False) -> None:
+                shutdown_timeout: float = 30.0, log_requests: bool = False, chat: dict | None = None) -> None:
     """Serve until SIGTERM / SIGINT; then stop listening and give running requests `shutdown_timeout`
-    seconds to finish (aiohttp's graceful shutdown) before closing."""
+    seconds to finish (aiohttp's graceful shutdown) before closing. chat: OpenAIServer's tool_parser and
+    chat_template."""
     client = await AsyncEngineClient(engine_address, frontend_id, stream_buffer).connect(timeout=600)
-    server = OpenAIServer(client, auth, stream_timeout, log_requests)
+    server = OpenAIServer(client, auth, stream_timeout, log_requests, **(chat or {}))
     # handler_cancellation: a client that goes away cancels its handler, which aborts its engine requests
     # (also for non-streamed requests, which write nothing until they finish)
     runner = web.AppRunner(server.app(), access_log=None, handle_signals=False, handler_cancellation=True,
@@ -201,7 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream-buffer", type=int, default=MAX_BUFFERED)
     p.add_argument("--shutdown-timeout", type=float, default=30.0)
     p.add_argument("--enable-log-requests", action="store_true")
+    p.add_argument("--tool-call-parser", choices=tuple(PARSERS), default=None)
+    p.add_argument("--chat-template", default=None, help="a Jinja file replacing the model's chat template")
     args = p.parse_args(argv)
+    chat = {"tool_parser": args.tool_call_parser, "chat_template": read_chat_template(args.chat_template)}
     signal.signal(signal.SIGHUP, signal.SIG_IGN)    # a reload before serve() takes over: this start reads the file
     tokenizer_only()      # this process never computes: its tokenizer loads without torch
     auth = load_auth()
@@ -209,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s {args.frontend_id} %(levelname)s %(message)s")
     import uvloop
     uvloop.run(serve(args.engine_address, args.host, args.port, auth, args.frontend_id, args.stream_timeout,
-                     args.stream_buffer, args.shutdown_timeout, args.enable_log_requests))
+                     args.stream_buffer, args.shutdown_timeout, args.enable_log_requests, chat))
     return 0
 
 

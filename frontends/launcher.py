@@ -103,11 +103,12 @@ class Child:
 def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, frontends: int,
           api_key: str | None, loading: dict | None = None, auth: dict | None = None,
           streaming: tuple[float, int] = (60.0, 1024), *, shutdown_timeout: float = 30.0,
-          log_requests: bool = False, auth_source: Callable[[], dict | None] | None = None) -> int:
+          log_requests: bool = False, auth_source: Callable[[], dict | None] | None = None,
+          chat_args: list[str] | None = None) -> int:
     """loading: {"lora_roots": [...], "runtime_lora": bool}, the runtime adapter loading rules; streaming:
     (--stream-timeout, --stream-buffer) of the frontends; shutdown_timeout: see `stop_all`; log_requests:
     the frontends' --enable-log-requests; auth_source: the config file's [auth] table as it is now, read again
-    at SIGHUP (None: no config file)."""
+    at SIGHUP (None: no config file); chat_args: the frontends' --tool-call-parser and --chat-template."""
     if port and (holder := port_holder(host, port)):
         print(f"loraplex: error: {host}:{port} is already served by {holder}; stop it or choose another --port",
               file=sys.stderr, flush=True)
@@ -141,7 +142,8 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
                                       "--port", str(port), "--frontend-id", f"http-{i}",
                                       "--stream-timeout", str(streaming[0]), "--stream-buffer", str(streaming[1]),
                                       "--shutdown-timeout", str(shutdown_timeout),
-                                      *(["--enable-log-requests"] if log_requests else [])], env)
+                                      *(["--enable-log-requests"] if log_requests else []), *(chat_args or [])],
+                    env)
               for i in range(frontends)]
     stopping = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -96,12 +96,18 @@ def check_length(req: Generation, prompt_len: int, limit: int, field: str, echo:
 
 
 def sampling_params(req: Generation, logprobs: int | None, default_max_tokens: int | None,
-                    prompt_only: bool = False) -> SamplingParams:
+                    prompt_only: bool = False, tool_constraint=None) -> SamplingParams:
     """The sampling fields of a request; logprobs: alternatives per token to report (None: no logprobs).
-    prompt_only: echo with max_tokens 0 (one token is computed and dropped)."""
+    prompt_only: echo with max_tokens 0 (one token is computed and dropped). tool_constraint: the output's
+    constraint that `tool_choice` sets (chat), which no other constraint may join."""
     stop = [req.stop] if isinstance(req.stop, str) else (req.stop or [])
     asked = max_tokens(req)
     constraint, source = structured_outputs(req)
+    if tool_constraint is not None:
+        if constraint is not None:
+            raise ApiError(400, f"tool_choice {json.dumps(_choice(req))} and {source}: give one constraint on "
+                           f"the output, not 2", source)
+        constraint, source = tool_constraint, "tool_choice"
     kw = dict(temperature=_or(req.temperature, 1.0), top_p=_or(req.top_p, 1.0), top_k=_or(req.top_k, -1),
               seed=req.seed, max_tokens=1 if prompt_only else (asked[1] if asked else default_max_tokens),
               stop=stop, stop_token_ids=req.stop_token_ids or [], ignore_eos=bool(req.ignore_eos),
@@ -114,6 +120,11 @@ def sampling_params(req: Generation, logprobs: int | None, default_max_tokens: i
     except ValueError as e:
         param = max((f for f in kw if str(e).startswith(f)), key=len, default=None)   # stop_token_ids, not stop
         raise ApiError(400, str(e), source if param == "structured_outputs" else param) from None
+
+
+def _choice(req) -> str:
+    choice = req.tool_choice
+    return choice if isinstance(choice, str) else f"function {choice.function.name}"
 
 
 def _or(value, default):

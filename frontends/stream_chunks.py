@@ -31,7 +31,7 @@ class StreamChunks:
         if out.logprobs or (first and out.prompt_logprobs is not None):
             lps = view.logprobs(out.logprobs, out.prompt_logprobs, self.sent[i], first)
         chunk = self.endpoint.chunk(self.rid, self.model, i, view.text(out.text, first),
-                                    finish_reason(out.finish_reason), first, lps)
+                                    finish_reason(out.finish_reason), first, lps, view)
         self.started[i] = True
         if first and view.prompt is not None:
             self.sent[i] += len(view.prompt)

@@ -38,7 +38,9 @@ class TokenizeEndpoints:
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
         if req.messages is not None:
-            [(ids, _)] = self.chat.prompts(ChatCompletionRequest(model=req.model, messages=req.messages))
+            chat = ChatCompletionRequest(model=req.model, messages=req.messages, tools=req.tools,
+                                         tool_choice="none" if req.tools else None)    # the tools reach the template
+            [(ids, _)] = self.chat.prompts(chat)
         else:
             [(ids, _)] = self.completions.prompts(CompletionRequest(model=req.model, prompt=req.prompt))
         return reply(r.TokenizeReply(count=len(ids), max_model_len=self.client.status.max_model_len, tokens=ids))

@@ -19,6 +19,26 @@ def test_chat_answers_paris(llm):
     assert_pool_idle(llm)
 
 
+def test_chat_takes_tools_and_a_template_of_its_own(llm):
+    """LLM.chat(tools=, chat_template=), as vLLM's: the tools reach the template, which describes them."""
+    from pathlib import Path
+
+    from engine import StructuredOutputsParams
+    template = (Path(__file__).parents[2] / "configs" / "tool_chat_template_hermes.jinja").read_text()
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    params = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json={
+        "type": "object", "properties": {"name": {"enum": ["get_weather"]}, "arguments": tools[0]["function"][
+            "parameters"]}, "required": ["name", "arguments"], "additionalProperties": False}))
+    out = llm.chat(msgs, params, tools=tools, chat_template=template)[0]
+    plain = llm.chat(msgs, params)[0]
+    prompt = llm.tokenizer.decode(out.prompt_token_ids)
+    assert "<tools>" in prompt and "get_weather" in prompt and "<tools>" not in llm.tokenizer.decode(
+        plain.prompt_token_ids)
+    assert '"name": "get_weather"' in out.text or '"name":"get_weather"' in out.text
+
+
 def test_same_seed_same_output_and_different_seed_differs(llm):
     p = [SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=s, max_tokens=24, ignore_eos=True)
          for s in (1, 1, 2)]

@@ -7,6 +7,7 @@ import json
 
 import msgspec
 
+from frontends.api_requests import ChatCompletionRequest, ChatMessage, CompletionRequest
 from frontends.api_responses import Usage
 from frontends.chat_endpoint import ChatEndpoint
 from frontends.completions_endpoint import CompletionsEndpoint
@@ -29,9 +30,15 @@ def as_json(struct) -> dict:
     return json.loads(msgspec.json.encode(struct))
 
 
+def request(kind):
+    if kind is ChatEndpoint:
+        return ChatCompletionRequest(model="m", messages=[ChatMessage(role="user", content="Hi")])
+    return CompletionRequest(model="m", prompt="Hi")
+
+
 def stream(kind, n=1, echo=None, prompt_only=False):
     e = endpoint(kind)
-    return StreamChunks("id", "m", e, [e.view([1], echo, prompt_only)] * n, n)
+    return StreamChunks("id", "m", e, [e.view(request(kind), [1], echo, prompt_only) for _ in range(n)], n)
 
 
 def out(text, ids=(), finish=None, completion=1, cached=0):
@@ -87,7 +94,7 @@ def test_usage_sums_completions_over_the_choices_once_all_finished():
 
 def test_a_whole_answer_sends_null_logprobs_and_omits_what_is_unset():
     use = Usage(prompt_tokens=1, completion_tokens=1, total_tokens=2)
-    body = as_json(endpoint(CompletionsEndpoint).answer("id", "m", [("hi", "stop", None)], use))
+    body = as_json(endpoint(CompletionsEndpoint).answer("id", "m", [("hi", "stop", None, None)], use))
     assert body["choices"] == [{"index": 0, "text": "hi", "finish_reason": "stop", "logprobs": None}]
     assert body["object"] == "text_completion"
     assert body["usage"] == {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
