@@ -121,14 +121,40 @@ class ToolCall(msgspec.Struct, kw_only=True):
     function: FunctionCall
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
-    """One turn. `content` may be null only on an assistant turn that calls tools; a `tool` turn answers
-    the call named by `tool_call_id`."""
-    role: Literal["system", "user", "assistant", "tool", "developer"]     # OpenAI's roles, nothing else
-    content: Union[str, list[TextPart], None] = None
+class _Turn(msgspec.Struct, kw_only=True, tag_field="role"):
+    """One turn of a conversation, by its `role` (OpenAI's roles, nothing else)."""
+    content: Union[str, list[TextPart]]
     name: str | None = None
+
+    @property
+    def role(self) -> str:
+        return type(self).__struct_config__.tag
+
+
+class SystemMessage(_Turn, tag="system"):
+    pass
+
+
+class DeveloperMessage(_Turn, tag="developer"):
+    pass
+
+
+class UserMessage(_Turn, tag="user"):
+    pass
+
+
+class AssistantTurn(_Turn, tag="assistant"):
+    """An earlier answer: its text, or its `tool_calls` (then `content` may be null or left out)."""
+    content: Union[str, list[TextPart], None] = None
     tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
+
+
+class ToolMessage(_Turn, tag="tool"):
+    """A tool's result for the call `tool_call_id` names."""
+    tool_call_id: str
+
+
+ChatMessage = Union[SystemMessage, DeveloperMessage, UserMessage, AssistantTurn, ToolMessage]
 
 
 class FunctionDefinition(msgspec.Struct, kw_only=True):

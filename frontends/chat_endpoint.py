@@ -13,7 +13,7 @@ from engine.tokenizer import encode_chat
 from frontends import api_responses as r
 from frontends import request_fields
 from frontends.api_error import ApiError
-from frontends.api_requests import ChatCompletionRequest, ChatMessage
+from frontends.api_requests import AssistantTurn, ChatCompletionRequest, ChatMessage, ToolMessage
 from frontends.echo import Plain
 from frontends.generation_endpoint import GenerationEndpoint
 from frontends.logprobs_format import chat_logprobs
@@ -95,14 +95,14 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
     out = []
     for i, m in enumerate(messages):
         content = m.content if m.content is None or isinstance(m.content, str) else "".join(p.text for p in m.content)
-        if content is None and not (m.role == "assistant" and m.tool_calls):
+        if content is None and not (isinstance(m, AssistantTurn) and m.tool_calls):
             raise ApiError(400, f"'messages': messages[{i}] has no content (only an assistant turn with tool_calls "
                            f"may leave it out)", "messages")
         turn: dict = {"role": m.role, "content": content or ""}
-        if m.tool_calls:
+        if getattr(m, "tool_calls", None):
             turn["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in m.tool_calls]
-        if m.role == "tool":
+        if isinstance(m, ToolMessage):
             turn.update({k: v for k, v in (("tool_call_id", m.tool_call_id), ("name", m.name)) if v is not None})
         out.append(turn)
     return out

@@ -47,8 +47,11 @@ def test_a_chat_role_outside_openais_is_refused_with_its_path():
         t.decode(raw, t.ChatCompletionRequest)
     assert e.value.param == "messages" and "$.messages[1].role" in e.value.message
     for role in ("system", "user", "assistant", "tool", "developer"):
-        t.decode(b'{"model": "m", "messages": [{"role": "%s", "content": "hi"}]}' % role.encode(),
-                 t.ChatCompletionRequest)
+        extra = ', "tool_call_id": "call_1"' if role == "tool" else ""      # a tool turn answers a call
+        req = t.decode(b'{"model": "m", "messages": [{"role": "%s", "content": "hi"%s}]}' % (role.encode(),
+                                                                                           extra.encode()),
+                       t.ChatCompletionRequest)
+        assert req.messages[0].role == role
 
 
 def test_nulls_mean_defaults_and_unknown_fields_are_ignored():

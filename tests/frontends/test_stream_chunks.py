@@ -7,7 +7,7 @@ import json
 
 import msgspec
 
-from frontends.api_requests import ChatCompletionRequest, ChatMessage, CompletionRequest
+from frontends.api_requests import ChatCompletionRequest, CompletionRequest, UserMessage
 from frontends.api_responses import Usage
 from frontends.chat_endpoint import ChatEndpoint
 from frontends.completions_endpoint import CompletionsEndpoint
@@ -32,7 +32,7 @@ def as_json(struct) -> dict:
 
 def request(kind):
     if kind is ChatEndpoint:
-        return ChatCompletionRequest(model="m", messages=[ChatMessage(role="user", content="Hi")])
+        return ChatCompletionRequest(model="m", messages=[UserMessage(content="Hi")])
     return CompletionRequest(model="m", prompt="Hi")
 
 

@@ -136,7 +136,8 @@ def test_the_conversation_goes_on_after_a_call_and_tokenize_shows_its_prompt(too
     ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format",
      "give one constraint on the output, not 2"),
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools", "tools"),
-    ({"messages": [{"role": "user"}]}, "messages", "has no content"),
+    ({"messages": [{"role": "user"}]}, "messages", "missing required field `content`"),
+    ({"messages": [{"role": "assistant", "content": None}]}, "messages", "has no content"),
 ])
 def test_bad_tool_requests_get_a_400_naming_the_field(client, kw, param, says):
     body = {"messages": ASK, "tools": TOOLS, **kw}

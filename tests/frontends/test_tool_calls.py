@@ -155,7 +155,11 @@ def test_the_conversation_reaches_the_template_with_calls_as_objects():
             {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
         {"role": "tool", "content": "12 C", "tool_call_id": "call_1", "name": "get_weather"}]
     with pytest.raises(ApiError, match=r"messages\[0\] has no content"):
-        template_messages(req(messages=[{"role": "user"}]).messages)
+        template_messages(req(messages=[{"role": "assistant", "content": None}]).messages)
+    with pytest.raises(msgspec.ValidationError, match="missing required field `content`"):
+        req(messages=[{"role": "user"}])
+    with pytest.raises(msgspec.ValidationError, match="missing required field `tool_call_id`"):
+        req(messages=[{"role": "tool", "content": "12 C"}])
 
 
 def _args(**kw) -> argparse.Namespace:
