@@ -10,6 +10,17 @@ def cache_dir() -> str:
     return os.environ.get("LORAPLEX_CACHE") or str(Path.home() / ".cache" / "loraplex")
 
 
+def adapter_source_token() -> str | None:
+    """A bearer token for --adapter-source (a private Hub or store): $LORAPLEX_ADAPTER_SOURCE_TOKEN."""
+    return os.environ.get("LORAPLEX_ADAPTER_SOURCE_TOKEN") or None
+
+
+def adapter_cache_dir(source: str) -> str:
+    """Where adapters fetched from `source` are kept: $LORAPLEX_CACHE/adapters/<a hash of the URL>."""
+    import hashlib
+    return str(Path(cache_dir()) / "adapters" / hashlib.sha256(source.encode()).hexdigest()[:16])
+
+
 def num_threads() -> int:
     """Torch intra-op threads for the forward pass: $LORAPLEX_NUM_THREADS, else all cores."""
     value = os.environ.get("LORAPLEX_NUM_THREADS")

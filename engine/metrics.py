@@ -35,6 +35,11 @@ RATE_LIMITED = Counter("loraplex_tenant_rate_limited", "Requests refused by thei
 PREEMPTIONS = Counter("loraplex_preemptions", "Requests preempted when the pool ran out")
 FAILED_STEPS = Counter("loraplex_failed_steps", "Model steps that raised (their requests are then run one by one "
                        "to find the one that causes it)")
+ADAPTER_FETCHES = Counter("loraplex_adapter_fetches", "Adapters fetched from --adapter-source, by outcome",
+                          ["outcome"])
+ADAPTER_FETCH_SECONDS = Histogram("loraplex_adapter_fetch_seconds", "One adapter's fetch from --adapter-source",
+                                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+ADAPTER_FETCH_BYTES = Counter("loraplex_adapter_fetch_bytes", "Bytes of adapters fetched from --adapter-source")
 GRAMMAR_COMPILES = Counter("loraplex_grammar_compiles", "Structured-output constraints compiled (in the compile "
                            "worker) by outcome: 'ok', 'error' (a 400 naming what is wrong), 'timeout' (a 400; the "
                            "worker killed)", ["outcome"])

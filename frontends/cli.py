@@ -43,7 +43,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="vtc (default): the tenant served the fewest tokens goes next; fair: the fewest running; fcfs")
 
 
-def _chat_args(p: argparse.ArgumentParser) -> None:
+def check_source(url: str | None) -> str | None:
+    """--adapter-source, checked before anything starts."""
+    if url and not url.startswith(("http://", "https://")):
+        raise ValueError(f"--adapter-source: {url!r} is not an http:// or https:// URL")
+    return url
+
+
+def _server_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adapter-source", default=None,
+                   help="an http(s) URL adapters are fetched from when a request names one the server does not "
+                        "have: URL/<name>/adapter_config.json and adapter_model.safetensors, or a URL with {name}")
     from frontends.tool_parsers import PARSERS
     p.add_argument("--chat-template", default=None,
                    help="a Jinja file to render chat messages with instead of the model's own template")
@@ -116,7 +126,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.max_waiting < 1:
         raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
     loading = {"lora_roots": args.lora_roots or [], "runtime_lora": not args.disable_runtime_lora,
-               "max_waiting": args.max_waiting}
+               "max_waiting": args.max_waiting, "adapter_source": check_source(args.adapter_source)}
     args.auth = _with_metrics_key(args.auth, args.metrics_key)
     parse_auth(args.auth, args.api_key)                # a bad [auth] table stops here, naming the setting
     source = (lambda: _with_metrics_key(_read_auth(args.config), args.metrics_key)) if args.config else None
@@ -207,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM / SIGINT: stop taking connections, give running requests this many seconds "
                         "to finish, then stop the engine (keep it below your orchestrator's grace period)")
-    _chat_args(s)
+    _server_args(s)
     s.add_argument("--enable-log-requests", action="store_true",
                    help="log one JSON line per POST /v1/* request (id, tenant, model, status, tokens, times; "
                         "no prompt or text)")
@@ -228,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-i", "--input", required=True, help="the requests, one JSON object a line ('-': stdin)")
     b.add_argument("-o", "--output", required=True, help="where the answers go, in the input's order ('-': stdout)")
     b.add_argument("--max-concurrency", type=int, default=64, help="requests in flight at once")
-    _chat_args(b)
+    _server_args(b)
     b.set_defaults(func=_run_batch)
     return parser
 

@@ -137,6 +137,8 @@ def serve(engine_kwargs: dict, adapter_dir: str | None, host: str, port: int, fr
         engine_argv.append("--disable-runtime-lora")
     if loading.get("max_waiting"):
         engine_argv += ["--max-waiting", str(loading["max_waiting"])]
+    if loading.get("adapter_source"):
+        engine_argv += ["--adapter-source", loading["adapter_source"]]
     engine = Child("engine", engine_argv, env)
     fronts = [Child(f"frontend-{i}", [py, "-m", "frontends.http_server", "--engine-address", address, "--host", host,
                                       "--port", str(port), "--frontend-id", f"http-{i}",

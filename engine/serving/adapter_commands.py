@@ -18,6 +18,7 @@ from engine.core.engine_core import EngineCore
 from engine.lora.host_adapter import files_signature
 from engine.serving.adapter_dir import AdapterCatalog, check_load_path, resolve_adapter_dir
 from engine.serving.adapter_journal import AdapterJournal
+from engine.serving.adapter_source import AdapterSource
 from ipc.outputs import AdapterReply, EngineStatus
 from ipc.requests import AdapterCommand
 
@@ -26,9 +27,11 @@ log = logging.getLogger("loraplex.engine")
 
 class AdapterCommands:
     def __init__(self, core: EngineCore, run: Callable[..., Awaitable], changed: Callable[[], Awaitable[EngineStatus]],
-                 adapter_dir: str | None, lora_roots: list[str], runtime_lora: bool, journal: AdapterJournal | None):
-        """run(fn, *args): fn's result, computed on the engine thread; changed(): tell the frontends."""
-        self.core, self.run, self.changed = core, run, changed
+                 adapter_dir: str | None, lora_roots: list[str], runtime_lora: bool, journal: AdapterJournal | None,
+                 source: AdapterSource | None = None):
+        """run(fn, *args): fn's result, computed on the engine thread; changed(): tell the frontends;
+        source: --adapter-source, whose cache is looked in after --adapter-dir."""
+        self.core, self.run, self.changed, self.source = core, run, changed, source
         self.adapter_dir = adapter_dir
         self.catalog = AdapterCatalog(adapter_dir) if adapter_dir else None
         self.lora_roots = lora_roots              # where a run-time load may read from
@@ -67,6 +70,17 @@ class AdapterCommands:
                   and files_signature(a.path) == a.files.signature}
         return sorted(listed.union(registered) - failed)
 
+    def knows(self, name: str) -> bool:
+        """Whether the server has adapter `name` without the remote store: registered, or a folder of
+        --adapter-dir."""
+        adapters = self.core.adapters
+        if adapters is not None and name in adapters.by_name:
+            return True
+        try:
+            return bool(self.adapter_dir) and resolve_adapter_dir(self.adapter_dir, name) is not None
+        except (ValueError, LookupError):
+            return False
+
     def _listed_only(self, name: str) -> bool:
         adapters = self.core.adapters
         return (self.catalog is not None and name in self.catalog.names() and adapters is not None
@@ -90,6 +104,8 @@ class AdapterCommands:
             except ValueError as e:
                 raise LookupError(f"adapter {name!r} is not available: {e}") from None
             return
+        if self.source is not None and not self.knows(name):
+            return await self._from_source(name)
         if not self.adapter_dir:
             return
         why = self.catalog.refusal(name)
@@ -103,6 +119,24 @@ class AdapterCommands:
             await self.changed()            # /v1/models stops listing it
             raise LookupError(f"adapter {name!r} is not available: {e}") from None
         self.catalog.listed.add(name)
+        await self.changed()
+
+    async def _from_source(self, name: str) -> None:
+        """Register `name` from the remote store's cache (engine/serving/adapter_fetches.py fetched it); a
+        cached folder the engine refuses is removed and the refusal remembered, so a fixed store is asked
+        again later."""
+        why = self.source.refusal(name)
+        if why is not None:
+            raise LookupError(why)
+        path = self.source.cached(name)
+        if path is None:
+            raise LookupError(f"adapter {name!r} is not registered")
+        try:
+            await self._register(name, str(path))
+        except ValueError as e:
+            self.source.drop(name)
+            self.source.refuse(name, f"adapter {name!r} from {self.source.file_url(name, '')}: {e}")
+            raise LookupError(f"adapter {name!r} is not available: {e}") from None
         await self.changed()
 
     async def handle(self, cmd: AdapterCommand) -> AdapterReply:

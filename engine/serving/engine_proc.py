@@ -32,7 +32,9 @@ from engine.core.warm_up import warm_up
 from engine.lora.compose import check_members
 from engine.output_processor import OutputProcessor
 from engine.serving.adapter_commands import AdapterCommands
+from engine.serving.adapter_fetches import AdapterFetches
 from engine.serving.adapter_journal import AdapterJournal
+from engine.serving.adapter_source import AdapterSource
 from engine.serving.engine_stats import EngineStatsPublisher
 from engine.serving.grammar_compiles import GrammarCompiles
 from engine.serving.pool_view import PoolView
@@ -47,8 +49,11 @@ FRONTEND_TIMEOUT = 5.0
 
 class AsyncEngine:
     def __init__(self, engine_kwargs: dict, address: str, adapter_dir: str | None, state_file: str | None = None,
-                 lora_roots: list[str] | None = None, runtime_lora: bool = True, max_waiting: int = 1024):
+                 lora_roots: list[str] | None = None, runtime_lora: bool = True, max_waiting: int = 1024,
+                 adapter_source: str | None = None):
         self.kwargs = engine_kwargs
+        self.source = AdapterSource(adapter_source, envs.adapter_cache_dir(adapter_source),
+                                    envs.adapter_source_token()) if adapter_source else None
         self.address = address
         self.adapter_dir = adapter_dir
         # where /v1/load_lora_adapter may load from, and whether it may at all
@@ -77,7 +82,9 @@ class AsyncEngine:
         self.processor = OutputProcessor(tok)
         self.compiles = GrammarCompiles(self.core.grammars, self._requeue, self.refuse)
         self.adapter_ops = AdapterCommands(self.core, self._run, self.broadcast_status, self.adapter_dir,
-                                           self.lora_roots, self.runtime_lora, self.journal)
+                                           self.lora_roots, self.runtime_lora, self.journal, self.source)
+        self.fetches = AdapterFetches(self.source, self.adapter_ops.knows, self._requeue, self.refuse) \
+            if self.source else None
         catalog = self.adapter_ops.catalog
         self.stats = EngineStatsPublisher(self.core, listed=lambda: len(catalog.listed) if catalog else 0)
         self.pool_view = PoolView(self.core, listed=lambda: set(catalog.listed) if catalog else set())
@@ -113,6 +120,8 @@ class AsyncEngine:
             for t in tasks:
                 t.cancel()
             self.compiles.close()                   # the compile worker, if one was started
+            if self.source is not None:
+                await self.source.close()
             self.sock.close(linger=2000)
 
     def drain(self) -> None:
@@ -144,7 +153,7 @@ class AsyncEngine:
                 identity, msg = self.inbox.get_nowait()
                 await self.apply(identity, msg)
             if not self.core.has_unfinished():
-                if self.draining and not self.compiles.waiting:
+                if self.draining and not self.compiles.waiting and not (self.fetches and self.fetches.waiting):
                     await self.send_q.join()            # the last outputs are out
                     return
                 await self._run(self.core.settle)
@@ -221,6 +230,8 @@ class AsyncEngine:
                     self.forget(rid)
                 else:
                     self.compiles.abort(rid, identity)
+                    if self.fetches is not None:
+                        self.fetches.abort(rid, identity)
         elif isinstance(msg, AdapterCommand):
             await self.send_q.put((identity, await self.adapter_ops.handle(msg)))
         elif isinstance(msg, PoolQuery):      # built between two steps: the engine thread runs one thing at a time
@@ -247,6 +258,8 @@ class AsyncEngine:
             return await self.refuse(identity, req.request_id, "the server is shutting down", 503)
         if self.compiles.holds(identity, req):
             return                                  # back in the inbox once its constraint is compiled
+        if self.fetches is not None and self.fetches.holds(identity, req):
+            return                                  # back in the inbox once its adapters arrived
         full = None if req.resumed else self.over_limit(req)     # a resent request keeps its place
         if full is not None:
             return await self.refuse(identity, req.request_id, full, 429)
@@ -314,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", required=True)
     p.add_argument("--engine-args", required=True, help="JSON object of EngineConfig keyword arguments")
     p.add_argument("--adapter-dir", default=None)
+    p.add_argument("--adapter-source", default=None, help="an http(s) URL adapters unknown here are fetched from")
     p.add_argument("--lora-root", action="append", default=[], help="a folder runtime loads may read from")
     p.add_argument("--disable-runtime-lora", action="store_true")
     p.add_argument("--max-waiting", type=int, default=1024, help="requests waiting beyond it get a 429")
@@ -331,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvloop
     engine = AsyncEngine(json.loads(args.engine_args), args.address, args.adapter_dir, args.state_file,
-                         args.lora_root, not args.disable_runtime_lora, args.max_waiting)
+                         args.lora_root, not args.disable_runtime_lora, args.max_waiting, args.adapter_source)
 
     async def run():
         loop = asyncio.get_running_loop()

@@ -16,6 +16,7 @@ import msgspec
 
 from engine import metrics
 from engine.serving.compile_worker import CompileTimeout, CompileWorker
+from engine.serving.held_requests import HeldRequests
 from engine.structured_output import Grammars
 from ipc.requests import GenerateRequest
 from ipc.sampling_params import StructuredOutputsParams
@@ -23,20 +24,18 @@ from ipc.sampling_params import StructuredOutputsParams
 COMPILE_TIMEOUT_S = 10.0
 
 
-class GrammarCompiles:
-    """requeue(identity, request): hand a request back to the engine's inbox; refuse(identity, request_id,
-    reason, status): answer it with an error. compile(spec): compile and keep `spec` in `grammars`, or raise
+class GrammarCompiles(HeldRequests):
+    """requeue, refuse: as HeldRequests'. compile(spec): compile and keep `spec` in `grammars`, or raise
     ValueError (run on this object's thread; the worker's by default)."""
 
     def __init__(self, grammars: Grammars, requeue: Callable[[bytes, GenerateRequest], None],
                  refuse: Callable[[bytes, str, str, int], Awaitable[None]],
                  compile: Callable[[StructuredOutputsParams], None] | None = None):
-        self.grammars, self.requeue, self.refuse = grammars, requeue, refuse
+        super().__init__(requeue, refuse)
+        self.grammars = grammars
         self.worker = CompileWorker(grammars.tokenizer_path, grammars.vocab_size, grammars.eos)
         self.compile = compile or self._in_worker
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="loraplex-grammar")
-        self.waiting: dict[str, bytes] = {}       # request id -> its frontend, while its constraint compiles
-        self.tasks: set[asyncio.Task] = set()
         self.jobs: dict[bytes, asyncio.Future] = {}   # constraint (as text) -> its compile in flight
 
     def holds(self, identity: bytes, req: GenerateRequest) -> bool:
@@ -45,17 +44,7 @@ class GrammarCompiles:
         spec = req.params.structured_outputs
         if spec is None or self.grammars.is_compiled(spec):
             return False
-        self.waiting[req.request_id] = identity
-        task = asyncio.create_task(self._compile(identity, req))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-        return True
-
-    def abort(self, request_id: str, identity: bytes) -> bool:
-        """Drop a request still waiting for its compile (its client went away); whether it was one."""
-        if self.waiting.get(request_id) != identity:
-            return False
-        del self.waiting[request_id]
+        self.hold(identity, req, self._compile(spec), 400)
         return True
 
     def close(self) -> None:
@@ -84,17 +73,12 @@ class GrammarCompiles:
             job.add_done_callback(lambda f: self.jobs.pop(key, None))
         return job
 
-    async def _compile(self, identity: bytes, req: GenerateRequest) -> None:
+    async def _compile(self, spec: StructuredOutputsParams) -> str | None:
+        """None once `spec` is compiled, else why it is not."""
         try:
-            await asyncio.shield(self._job(req.params.structured_outputs))
-            error = None
+            await asyncio.shield(self._job(spec))
         except ValueError as e:
-            error = str(e)
+            return str(e)
         except Exception as e:  # noqa: BLE001 - the pipe, say: the request is answered, the engine goes on
-            error = f"structured_outputs: the grammar compiler failed ({type(e).__name__}: {e})"
-        if self.waiting.pop(req.request_id, None) is None:
-            return                                 # aborted meanwhile
-        if error is not None:
-            await self.refuse(identity, req.request_id, error, 400)
-        else:
-            self.requeue(identity, req)
+            return f"structured_outputs: the grammar compiler failed ({type(e).__name__}: {e})"
+        return None
