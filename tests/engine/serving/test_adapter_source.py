@@ -101,6 +101,27 @@ async def test_bad_or_oversized_weights_are_refused_and_nothing_is_cached(store,
     await source.close()
 
 
+async def test_a_redirect_elsewhere_is_followed_without_the_token(store, tmp_path):
+    """As the Hugging Face Hub answers a resolve URL: a redirect to its CDN, which must not get the token."""
+    s, url = store
+    s.add("tenant-b")
+    cdn, cdn_url = await stub_server(("GET", "/store/{name}/{file}", s.handle))    # another origin
+
+    async def moved(request: web.Request) -> web.Response:
+        s.seen.append((request.path, request.headers.get("Authorization")))
+        raise web.HTTPFound(f"{cdn_url}/store/{request.match_info['name']}/{request.match_info['file']}")
+    hub, hub_url = await stub_server(("GET", "/{name}/resolve/main/{file}", moved))
+    source = AdapterSource(f"{hub_url}/{{name}}/resolve/main", tmp_path, token="hf_secret")
+    assert (await source.fetch("tenant-b")).name == "tenant-b"
+    assert s.seen == [("/tenant-b/resolve/main/adapter_config.json", "Bearer hf_secret"),
+                      ("/store/tenant-b/adapter_config.json", None),
+                      ("/tenant-b/resolve/main/adapter_model.safetensors", "Bearer hf_secret"),
+                      ("/store/tenant-b/adapter_model.safetensors", None)]
+    await source.close()
+    await hub.cleanup()
+    await cdn.cleanup()
+
+
 def test_only_http_urls_and_valid_names():
     with pytest.raises(ValueError, match="not an http"):
         AdapterSource("file:///etc", "/tmp")
