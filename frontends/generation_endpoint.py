@@ -80,9 +80,25 @@ class GenerationEndpoint(ABC):
         """An output constraint the route itself sets (chat: a tool call's schema), or None."""
         return None
 
+    async def read(self, request: web.Request):
+        """The typed request (the Responses route makes a chat request of its own)."""
+        return await api_requests.read(request, self.request_type)
+
+    def new_id(self) -> str:
+        """The answer's id."""
+        return f"{self.id_prefix}-{uuid.uuid4().hex}"
+
+    def sse_event(self, body) -> bytes:
+        """One server-sent event of a streamed answer."""
+        return sse.event(body)
+
+    def stream_tail(self, chunks: StreamChunks, include_usage: bool) -> list[bytes]:
+        """What a stream ends with once every choice finished: the usage chunk if asked for, `[DONE]`."""
+        return ([self.sse_event(chunks.usage())] if include_usage else []) + [sse.DONE]
+
     # -- the flow ---------------------------------------------------------------------------------------
     async def __call__(self, request: web.Request) -> web.StreamResponse:
-        req = await api_requests.read(request, self.request_type)
+        req = await self.read(request)
         prompts = self.prompts(req)
         adapter = self.adapter_for(request, req.model)
         members = self.composition(request, req, adapter)
@@ -96,7 +112,7 @@ class GenerationEndpoint(ABC):
         views = [self.view(req, *prompts[k // n], prompt_only) for k in range(total)]   # choice k: prompt k // n's
         salt = caller.cache_salt(req.cache_salt)
         await self.client.until_healthy()    # a bad request is answered at once, also while the engine restarts
-        rid = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        rid = self.new_id()
         note(request, id=rid)
         limit = self.client.status.max_model_len
         rate = tenant.rate([len(ids) for ids, _ in prompts], params.max_tokens, n, limit) if tenant else None
@@ -189,17 +205,16 @@ class GenerationEndpoint(ABC):
                     metrics.ITL.observe(now - last_t)
                 last_t = now
                 chunk = chunks.chunk(i, out)
-                if chunk is not None:
-                    await self.send(resp, sse.event(chunk))
+                for body in chunk if isinstance(chunk, list) else [] if chunk is None else [chunk]:
+                    await self.send(resp, self.sse_event(body))
                 if out.finish_reason is not None:
                     self.observe(adapter, out.finish_reason, start)
                     finishes.append(out.finish_reason)
                     if chunks.finish(i, out):
                         break
                 i, out = await gens.__anext__()
-            if include_usage:
-                await self.send(resp, sse.event(chunks.usage()))
-            await self.send(resp, sse.DONE)
+            for data in self.stream_tail(chunks, include_usage):
+                await self.send(resp, data)
             self.delivered(request, finishes, chunks.total_usage())
         except EngineError as e:
             note(request, outcome="engine_error", error=str(e))

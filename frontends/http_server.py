@@ -31,6 +31,7 @@ from frontends.reply import reply
 from frontends.request_id import HEADER as REQUEST_ID
 from frontends.request_id import new_request_id
 from frontends.request_log import note, request_log_middleware
+from frontends.responses_endpoint import ResponsesEndpoint
 from frontends.tokenize_endpoint import TokenizeEndpoints
 from frontends.tool_parsers import PARSERS
 
@@ -54,6 +55,8 @@ class OpenAIServer:
         self.completions = CompletionsEndpoint(client, tokenizer, labels, stream_timeout)
         self.chat = ChatEndpoint(client, tokenizer, labels, stream_timeout, tool_parser=tool_parser,
                                  chat_template=chat_template)
+        self.responses = ResponsesEndpoint(client, tokenizer, labels, stream_timeout, tool_parser=tool_parser,
+                                           chat_template=chat_template)
         self.tokens = TokenizeEndpoints(self.completions, self.chat)
         self.document = openapi_document(secured=auth.enabled)
 
@@ -75,6 +78,7 @@ class OpenAIServer:
         app.on_response_prepare.append(self.tag_response)
         app.add_routes([web.post("/v1/completions", self.completions),
                         web.post("/v1/chat/completions", self.chat),
+                        web.post("/v1/responses", self.responses),
                         web.get("/v1/models", self.models),
                         web.post("/tokenize", self.tokens.tokenize), web.post("/detokenize", self.tokens.detokenize),
                         web.post("/v1/load_lora_adapter", self.load_adapter),

@@ -7,6 +7,7 @@ import msgspec
 
 from frontends import api_requests as q
 from frontends import api_responses as r
+from frontends import responses_api as x
 from frontends.request_id import HEADER, MAX_LEN
 from ipc.pool_report import PoolReport
 
@@ -57,13 +58,16 @@ def openapi_document(secured: bool) -> dict:
     """The document. secured: the server was started with keys ([auth] or --api-key): /v1/* needs a bearer key."""
     types = [q.CompletionRequest, q.ChatCompletionRequest, q.LoadLoraRequest, q.UnloadLoraRequest,
              q.TokenizeRequest, q.DetokenizeRequest, r.Completion, r.ChatCompletion, r.ChatCompletionChunk,
-             r.ModelList, r.StatusReply, r.TokenizeReply, r.DetokenizeReply, r.ErrorResponse, PoolReport]
+             r.ModelList, r.StatusReply, r.TokenizeReply, r.DetokenizeReply, r.ErrorResponse, PoolReport,
+             x.ResponsesRequest, x.Response, x.StreamEvent]
     _, components = msgspec.json.schema_components(types, ref_template=_REF)
     admin = ("400", "401", "403", "404", "503")
     paths = {
         "/v1/completions": {"post": _operation("Complete a prompt", "Completion", "CompletionRequest", "Completion")},
         "/v1/chat/completions": {"post": _operation("Answer a conversation", "ChatCompletion",
                                                     "ChatCompletionRequest", "ChatCompletionChunk")},
+        "/v1/responses": {"post": _operation("Answer an input, as OpenAI's Responses API (stateless)", "Response",
+                                             "ResponsesRequest", "StreamEvent")},
         "/v1/models": {"get": _operation("The base model and the adapters the caller may use", "ModelList",
                                          errors=("401",))},
         "/tokenize": {"post": _operation("The token ids a generation would run on: a prompt as /v1/completions "
@@ -94,6 +98,10 @@ def openapi_document(secured: bool) -> dict:
         "/openapi.json": {"get": {"summary": "This document", "security": [], "responses": {"200": {
             "description": "OpenAPI 3.1", "content": {"application/json": {"schema": {"type": "object"}}}}}}},
     }
+    events = paths["/v1/responses"]["post"]["responses"]["200"]["content"]["text/event-stream"]
+    events["x-event-schema"] = {"anyOf": [{"$ref": _REF.format(name=t.__name__)} for t in x.StreamEvent.__args__]}
+    events["description"] = ("with `stream` true: server-sent events, each `event:` its type and `data:` the "
+                             "event (JSON), from response.created to response.completed (or response.incomplete)")
     _traced(paths)
     doc = {"openapi": "3.1.0", "info": {"title": "loraplex", "version": "1",
                                         "description": "OpenAI-compatible API over one base model and its LoRA "

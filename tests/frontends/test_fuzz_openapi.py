@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from schemathesis.generation import GenerationMode
 
 from frontends import api_responses as r
+from frontends import responses_api as x
 from ipc.pool_report import PoolReport
 from tests.frontends.server_fixture import Server
 
@@ -30,14 +31,16 @@ KEY = "sk-fuzz"
 MODELS = ["model", "tiny-r2", "tiny-r5", "tiny-r8", None]    # None: as generated ("model": the base model's name)
 SCALE = int(os.environ.get("LORAPLEX_FUZZ_SCALE", "1"))      # more cases for a longer hunt than make test's
 PER_OPERATION = {op: n * SCALE for op, n in {"POST /v1/completions": 300, "POST /v1/chat/completions": 300,
-                                               "POST /v1/load_lora_adapter": 200,
+                                               "POST /v1/responses": 150, "POST /v1/load_lora_adapter": 200,
                                                "POST /v1/unload_lora_adapter": 200}.items()}
 # per generation mode; the GETs take no input: 5 each
 RESPONSE = {"/v1/completions": r.Completion, "/v1/chat/completions": r.ChatCompletion,
             "/v1/models": r.ModelList, "/v1/load_lora_adapter": r.StatusReply,
             "/v1/unload_lora_adapter": r.StatusReply, "/health": r.StatusReply, "/v1/pool": PoolReport,
-            "/tokenize": r.TokenizeReply, "/detokenize": r.DetokenizeReply}
-EVENT = {"/v1/completions": r.Completion, "/v1/chat/completions": r.ChatCompletionChunk}
+            "/tokenize": r.TokenizeReply, "/detokenize": r.DetokenizeReply, "/v1/responses": x.Response}
+EVENT = {"/v1/completions": r.Completion, "/v1/chat/completions": r.ChatCompletionChunk,
+         "/v1/responses": x.StreamEvent}
+LAST = {"/v1/responses": ('"type":"response.completed"', '"type":"response.incomplete"')}   # else [DONE]
 
 
 @pytest.fixture(scope="module")
@@ -66,14 +69,16 @@ def check_answer(case, resp, seen: collections.Counter, server_log: list[str]) -
         assert err.message and err.type, what
         REASONS[(case.path, resp.status_code, err.param, err.message[:50])] += 1
         return
-    if resp.content.startswith(b"data: "):        # server-sent events (stream: true)
+    if resp.headers.get("content-type", [""])[0].startswith("text/event-stream"):   # stream: true
         events = [line[6:] for line in resp.text.split("\n") if line.startswith("data: ")]
         assert events, what
         # NOTE: schemathesis stops reading a stream after 20 events (its max_stream_events) and says so on the
         # Response that case.call returns (`stream_cut_short`; the transport sets an attribute of that meaning
         # only on its own requests.Response, so reading that one here failed every stream it cut short)
         cut_short = resp.stream_cut_short
-        assert cut_short or events[-1] == "[DONE]", f"{len(events)} events, {what}"
+        last = LAST.get(case.path, ("[DONE]",))
+        assert cut_short or any(end in events[-1] for end in last) or "error" in json.loads(events[-1]), \
+            f"{len(events)} events, {what}"
         for event in events[:-1] if events[-1] == "[DONE]" else events:
             body = json.loads(event)
             assert_exactly(event.encode(), r.ErrorResponse if "error" in body else EVENT[case.path], what)
