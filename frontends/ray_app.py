@@ -40,7 +40,7 @@ from frontends.ray_replica import Directory, replica_deployment
 from frontends.request_id import HEADER as REQUEST_ID
 from frontends.request_id import request_id
 
-GENERATE = ("/v1/completions", "/v1/chat/completions")
+GENERATE = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 BROADCAST = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 HEADER = "x-loraplex-replica"
 log = logging.getLogger("loraplex.ray")

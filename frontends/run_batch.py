@@ -2,8 +2,8 @@
 through the server itself (vLLM's `run-batch`): nightly evaluations of every tenant's adapter, bulk
 labelling, anything that need not stream.
 
-Each input line is one request, `{"custom_id": ..., "method": "POST", "url": "/v1/completions" or
-"/v1/chat/completions", "body": {...}}`, whose body may name any adapter as its `model`. The command starts
+Each input line is one request, `{"custom_id": ..., "method": "POST", "url": "/v1/completions",
+"/v1/chat/completions" or "/v1/responses", "body": {...}}`, whose body may name any adapter as its `model`. The command starts
 `loraplex serve` on a free local port (one frontend; the engine flags given: --model, --adapter-dir, ...),
 sends the lines at most --max-concurrency at a time (a 429 is retried after its Retry-After), and writes one
 line per input line, in the input's order, each as soon as it and every earlier one are answered:
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from frontends import ready
 from frontends.argv import drop_flags
 
-URLS = ("/v1/completions", "/v1/chat/completions")
+URLS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 OWN_FLAGS = {"-i", "--input", "-o", "--output", "--max-concurrency"}
 WINDOW_PER_REQUEST = 4      # lines read but not yet written, per request allowed in flight
 

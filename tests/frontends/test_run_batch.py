@@ -112,7 +112,7 @@ async def test_an_output_that_cannot_be_written_stops_the_batch_with_its_error()
 
 
 def test_a_batch_file_through_the_server(tiny_served, tmp_path):
-    """Completions and chats on the base model and on adapters, an unknown model and a broken line: every
+    """Completions, chats and responses on the base model and on adapters, an unknown model and a broken line: every
     line answered in order, the bodies as the server gives them."""
     model, adapters = tiny_served
     lines = [request("base", {"model": "model", "prompt": "Hello", "max_tokens": 4, "temperature": 0}),
@@ -120,7 +120,8 @@ def test_a_batch_file_through_the_server(tiny_served, tmp_path):
                      url="/v1/chat/completions"),
              "{broken",
              request("two", {"model": "tiny-r5", "prompt": "Once", "max_tokens": 3, "n": 2}),
-             request("unknown", {"model": "nope", "prompt": "x"})]
+             request("unknown", {"model": "nope", "prompt": "x"}),
+             request("resp", {"model": "tiny-r8", "input": "Hi", "max_output_tokens": 3}, url="/v1/responses")]
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.jsonl"
@@ -129,10 +130,11 @@ def test_a_batch_file_through_the_server(tiny_served, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     got = [json.loads(x) for x in out.read_text().splitlines()]
-    assert [g["custom_id"] for g in got] == ["base", "chat", None, "two", "unknown"]
+    assert [g["custom_id"] for g in got] == ["base", "chat", None, "two", "unknown", "resp"]
     status = [g["response"]["status_code"] if g["response"] else None for g in got]
-    assert status == [200, 200, None, 200, 404], got
-    base, chat, broken, two, unknown = got
+    assert status == [200, 200, None, 200, 404, 200], got
+    base, chat, broken, two, unknown, resp = got
+    assert resp["response"]["body"]["object"] == "response" and resp["response"]["body"]["usage"]["output_tokens"] == 3
     assert base["response"]["body"]["object"] == "text_completion" and base["response"]["body"]["usage"][
         "completion_tokens"] == 4
     assert chat["response"]["body"]["model"] == "tiny-r2" and chat["response"]["body"]["choices"][0]["message"]
@@ -140,7 +142,7 @@ def test_a_batch_file_through_the_server(tiny_served, tmp_path):
     assert "nope" in unknown["response"]["body"]["error"]["message"]
     assert broken["error"]["code"] == "invalid_request" and "line 3" in broken["error"]["message"]
     assert all(g["response"]["request_id"].startswith("req_") for g in got if g["response"])
-    assert "5 lines, 3 answered 200, 2 not" in done.stderr
+    assert "6 lines, 4 answered 200, 2 not" in done.stderr
 
 
 def test_an_input_output_or_concurrency_it_cannot_use_is_a_clear_error_before_any_server_starts(tmp_path, capsys):
