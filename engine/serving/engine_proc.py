@@ -243,12 +243,15 @@ class AsyncEngine:
                                                            self.rates.charged_table())))
 
     def over_limit(self, req: GenerateRequest) -> str | None:
-        """Why `req` cannot join the waiting queue now (the global or its tenant's bound), or None."""
+        """Why `req` cannot join the waiting queue now (the global or its tenant's bound), or None. Requests
+        held for a compile or a fetch count as waiting."""
         waiting = self.core.scheduler.waiting
-        if len(waiting) >= self.max_waiting:
-            return f"the server has {len(waiting)} requests waiting (--max-waiting {self.max_waiting}); retry later"
+        held = [h for h in (self.compiles, self.fetches) if h is not None]
+        count = len(waiting) + sum(h.count() for h in held)
+        if count >= self.max_waiting:
+            return f"the server has {count} requests waiting (--max-waiting {self.max_waiting}); retry later"
         if req.max_waiting and req.tenant:
-            mine = sum(1 for r in waiting if r.tenant == req.tenant)
+            mine = sum(1 for r in waiting if r.tenant == req.tenant) + sum(h.count(req.tenant) for h in held)
             if mine >= req.max_waiting:
                 return f"tenant {req.tenant!r} has {mine} requests waiting (its max_waiting); retry later"
         return None
@@ -256,13 +259,13 @@ class AsyncEngine:
     async def add(self, identity: bytes, req: GenerateRequest) -> None:
         if self.draining:
             return await self.refuse(identity, req.request_id, "the server is shutting down", 503)
+        full = None if req.resumed else self.over_limit(req)     # a resent request keeps its place
+        if full is not None:
+            return await self.refuse(identity, req.request_id, full, 429)
         if self.compiles.holds(identity, req):
             return                                  # back in the inbox once its constraint is compiled
         if self.fetches is not None and self.fetches.holds(identity, req):
             return                                  # back in the inbox once its adapters arrived
-        full = None if req.resumed else self.over_limit(req)     # a resent request keeps its place
-        if full is not None:
-            return await self.refuse(identity, req.request_id, full, 429)
         rate = None if req.resumed else req.rate                  # and was charged before
         try:
             self.rates.check(req.tenant, rate)

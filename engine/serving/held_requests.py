@@ -17,11 +17,17 @@ class HeldRequests:
                  refuse: Callable[[bytes, str, str, int], Awaitable[None]]):
         self.requeue, self.refuse = requeue, refuse
         self.waiting: dict[str, bytes] = {}       # request id -> its frontend, while it is held
+        self.tenants: dict[str, str] = {}         # request id -> its tenant ("": none), while it is held
         self.tasks: set[asyncio.Task] = set()
+
+    def count(self, tenant: str | None = None) -> int:
+        """Requests held now (of `tenant` only, if given): they count toward --max-waiting."""
+        return len(self.waiting) if tenant is None else sum(1 for t in self.tenants.values() if t == tenant)
 
     def hold(self, identity: bytes, req: GenerateRequest, ready: Coroutine, status: int) -> None:
         """Hold `req` until `ready` returns: None to requeue it, or an error to answer it with `status`."""
         self.waiting[req.request_id] = identity
+        self.tenants[req.request_id] = req.tenant
         task = asyncio.create_task(self._release(identity, req, ready, status))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
@@ -31,10 +37,12 @@ class HeldRequests:
         if self.waiting.get(request_id) != identity:
             return False
         del self.waiting[request_id]
+        self.tenants.pop(request_id, None)
         return True
 
     async def _release(self, identity: bytes, req: GenerateRequest, ready: Coroutine, status: int) -> None:
         error = await ready
+        self.tenants.pop(req.request_id, None)
         if self.waiting.pop(req.request_id, None) is None:
             return                                 # aborted meanwhile
         if error is not None:

@@ -9,6 +9,7 @@ import functools
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
@@ -39,6 +40,7 @@ def store(tiny_served, tmp_path_factory):
     root = tmp_path_factory.mktemp("store")
     shutil.copytree(adapters / "tiny-r5", root / "remote-r5")
     shutil.copytree(adapters / "tiny-r8", root / "slow-r8")
+    shutil.copytree(adapters / "tiny-r8", root / "slow-r9")
     shutil.copytree(adapters / "tiny-r2", root / "cut")
     weights = root / "cut" / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-10])
@@ -56,7 +58,8 @@ def store(tiny_served, tmp_path_factory):
 @pytest.fixture(scope="module")
 def served(tiny_served, store):
     model, adapters = tiny_served
-    s = Server("--model", str(model), "--adapter-dir", str(adapters), "--adapter-source", store, "--frontends", "1")
+    s = Server("--model", str(model), "--adapter-dir", str(adapters), "--adapter-source", store, "--frontends", "1",
+               "--max-waiting", "3")
     yield s
     Handler.gate.set()
     assert s.stop() == 0
@@ -102,6 +105,19 @@ def test_streams_go_on_while_a_fetch_is_held(client):
     Handler.gate.set()
     waiting.join(60)
     assert got and got[0]
+
+
+def test_requests_held_for_a_fetch_count_toward_max_waiting(client):
+    """--max-waiting 3: three requests held on the store fill it; the next request is a 429 until they go."""
+    Handler.gate.clear()
+    with ThreadPoolExecutor(3) as pool:
+        held = [pool.submit(complete, client, "slow-r9", 2) for _ in range(3)]
+        time.sleep(1.0)
+        with pytest.raises(openai.RateLimitError, match="3 requests waiting"):
+            client.with_options(max_retries=0).completions.create(model="tiny-r2", prompt="x", max_tokens=2)
+        Handler.gate.set()
+        assert all(f.result(60) for f in held)
+    assert complete(client, "tiny-r2", 2)
 
 
 @pytest.mark.parametrize("name, says", [
