@@ -121,10 +121,10 @@ class AdapterCommands:
         self.catalog.listed.add(name)
         await self.changed()
 
-    async def _from_source(self, name: str) -> None:
-        """Register `name` from the remote store's cache (engine/serving/adapter_fetches.py fetched it); a
-        cached folder the engine refuses is removed and the refusal remembered, so a fixed store is asked
-        again later."""
+    async def _from_source(self, name: str, pinned: bool = False) -> str:
+        """Register `name` from the remote store's cache (engine/serving/adapter_fetches.py fetched it) ->
+        its folder; a cached folder the engine refuses is removed and the refusal remembered, so a fixed
+        store is asked again later."""
         why = self.source.refusal(name)
         if why is not None:
             raise LookupError(why)
@@ -132,12 +132,13 @@ class AdapterCommands:
         if path is None:
             raise LookupError(f"adapter {name!r} is not registered")
         try:
-            await self._register(name, str(path))
+            await self._register(name, str(path), pinned)
         except ValueError as e:
             self.source.drop(name)
             self.source.refuse(name, f"adapter {name!r} from {self.source.file_url(name, '')}: {e}")
             raise LookupError(f"adapter {name!r} is not available: {e}") from None
         await self.changed()
+        return str(path)
 
     async def handle(self, cmd: AdapterCommand) -> AdapterReply:
         """load / unload / list -> the reply: ok and the adapters now registered, or the refusal."""
@@ -159,11 +160,14 @@ class AdapterCommands:
         return AdapterReply(cmd.command_id, True, adapters=status.adapters)
 
     async def _load(self, cmd: AdapterCommand) -> None:
-        path = cmd.path or (str(resolve_adapter_dir(self.adapter_dir, cmd.name)) if self.adapter_dir else "")
-        if not path:
-            raise ValueError("lora_path is required (the server has no --adapter-dir)")
-        path = check_load_path(path, self.lora_roots)
-        await self._register(cmd.name, path, cmd.pinned)
+        if not cmd.path and self.source is not None and not self.knows(cmd.name):
+            path = await self._from_source(cmd.name, cmd.pinned)       # fetched while the command waited
+        else:
+            path = cmd.path or (str(resolve_adapter_dir(self.adapter_dir, cmd.name)) if self.adapter_dir else "")
+            if not path:
+                raise ValueError("lora_path is required (the server has no --adapter-dir or --adapter-source)")
+            path = check_load_path(path, self.lora_roots)
+            await self._register(cmd.name, path, cmd.pinned)
         await self.run(self.core.prefetch_adapter, cmd.name)      # its weights load beside the steps
         if self.journal is not None:
             self.journal.loaded(cmd.name, path, cmd.pinned)

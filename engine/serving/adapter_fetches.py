@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from engine import metrics
 from engine.serving.adapter_source import AdapterSource, FetchRefused
 from engine.serving.held_requests import HeldRequests
-from ipc.requests import GenerateRequest
+from ipc.requests import AdapterCommand, GenerateRequest
 
 
 class AdapterFetches(HeldRequests):
@@ -30,8 +30,11 @@ class AdapterFetches(HeldRequests):
 
     def missing(self, req: GenerateRequest) -> list[str]:
         names = [req.adapter] + [n for n, _ in req.adapters or ()]
-        return [n for n in names if n and not self.known(n) and self.source.cached(n) is None
-                and self.source.refusal(n) is None]
+        return [n for n in names if n and self.missing_name(n)]
+
+    def missing_name(self, name: str) -> bool:
+        """Whether only the store may have `name`, and it has not been asked lately."""
+        return not self.known(name) and self.source.cached(name) is None and self.source.refusal(name) is None
 
     def holds(self, identity: bytes, req: GenerateRequest) -> bool:
         """Whether `req` must wait for adapters from the store (their fetches are then started, or joined)."""
@@ -40,6 +43,23 @@ class AdapterFetches(HeldRequests):
             return False
         self.hold(identity, req, self._arrived([self._job(n) for n in names]), 404)
         return True
+
+    def holds_command(self, identity: bytes, cmd: AdapterCommand) -> bool:
+        """Whether a load command (no path: the store's adapter) must wait for its fetch; it then goes back
+        to the inbox however the fetch ends (a refusal is answered from the store's memory)."""
+        if cmd.op != "load" or cmd.path or not self.missing_name(cmd.name):
+            return False
+        task = asyncio.create_task(self._command(identity, cmd))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return True
+
+    async def _command(self, identity: bytes, cmd: AdapterCommand) -> None:
+        try:
+            await asyncio.shield(self._job(cmd.name))
+        except FetchRefused:
+            pass
+        self.requeue(identity, cmd)
 
     def fetching(self) -> int:
         return len(self.jobs)

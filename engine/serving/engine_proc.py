@@ -233,6 +233,8 @@ class AsyncEngine:
                     if self.fetches is not None:
                         self.fetches.abort(rid, identity)
         elif isinstance(msg, AdapterCommand):
+            if self.fetches is not None and self.fetches.holds_command(identity, msg):
+                return                              # back in the inbox once the store answered
             await self.send_q.put((identity, await self.adapter_ops.handle(msg)))
         elif isinstance(msg, PoolQuery):      # built between two steps: the engine thread runs one thing at a time
             await self.send_q.put((identity, PoolReply(msg.command_id, await self._run(self.pool_view.report))))

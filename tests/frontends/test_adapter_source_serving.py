@@ -41,6 +41,7 @@ def store(tiny_served, tmp_path_factory):
     shutil.copytree(adapters / "tiny-r5", root / "remote-r5")
     shutil.copytree(adapters / "tiny-r8", root / "slow-r8")
     shutil.copytree(adapters / "tiny-r8", root / "slow-r9")
+    shutil.copytree(adapters / "tiny-r2", root / "preload-r2")
     shutil.copytree(adapters / "tiny-r2", root / "cut")
     weights = root / "cut" / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-10])
@@ -85,6 +86,17 @@ def test_an_adapter_only_the_store_has_is_fetched_and_answers_as_the_same_files_
     text = requests.get(served.url + "/metrics", timeout=10).text
     assert metric(text, "loraplex_adapter_fetches_total", 'outcome="ok"') == 1
     assert metric(text, "loraplex_adapter_fetch_bytes_total") > 1000
+
+
+def test_the_load_route_fetches_from_the_store(served, client):
+    """POST /v1/load_lora_adapter with only a name: the store's adapter, fetched beside the steps."""
+    url = served.url + "/v1/load_lora_adapter"
+    ok = requests.post(url, json={"lora_name": "preload-r2"}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    assert "preload-r2" in [m.id for m in client.models.list().data]
+    assert complete(client, "preload-r2") == complete(client, "tiny-r2")
+    missing = requests.post(url, json={"lora_name": "nowhere"}, timeout=60)
+    assert missing.status_code == 400 and "answered HTTP 404" in missing.json()["error"]["message"]
 
 
 def test_streams_go_on_while_a_fetch_is_held(client):
