@@ -3,8 +3,9 @@ through the server itself (vLLM's `run-batch`): nightly evaluations of every ten
 labelling, anything that need not stream.
 
 Each input line is one request, `{"custom_id": ..., "method": "POST", "url": "/v1/completions",
-"/v1/chat/completions" or "/v1/responses", "body": {...}}`, whose body may name any adapter as its `model`. The command starts
-`loraplex serve` on a free local port (one frontend; the engine flags given: --model, --adapter-dir, ...),
+"/v1/chat/completions" or "/v1/responses", "body": {...}}`, whose body may name any adapter as its `model`.
+The command starts `loraplex serve` on a free local port (one frontend; the engine flags given: --model,
+--adapter-dir, ...),
 sends the lines at most --max-concurrency at a time (a 429 is retried after its Retry-After), and writes one
 line per input line, in the input's order, each as soon as it and every earlier one are answered:
 `{"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error": null}`, the body being
