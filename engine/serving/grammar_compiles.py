@@ -8,6 +8,7 @@ others queue behind it, each compile timed from its own start."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +38,7 @@ class GrammarCompiles(HeldRequests):
         self.compile = compile or self._in_worker
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="loraplex-grammar")
         self.jobs: dict[bytes, asyncio.Future] = {}   # constraint (as text) -> its compile in flight
+        self.warming: threading.Thread | None = None
 
     def holds(self, identity: bytes, req: GenerateRequest) -> bool:
         """Whether `req` must wait for its constraint to compile (the compile is then started, or joined);
@@ -67,6 +69,12 @@ class GrammarCompiles(HeldRequests):
     def _job(self, spec: StructuredOutputsParams) -> asyncio.Future:
         key = msgspec.json.encode(spec)
         job = self.jobs.get(key)
+        if self.warming is None and self.compile == self._in_worker:
+            # the engine's own table of the tokenizer (which installing a compiled grammar needs: ~1.3 s with
+            # xgrammar's import) is built while the worker starts (~3 s), not after it
+            self.warming = threading.Thread(target=self.grammars.tokenizer_info, daemon=True,
+                                            name="loraplex-grammar-table")
+            self.warming.start()
         if job is None:
             job = asyncio.get_running_loop().run_in_executor(self.thread, self.compile, spec)
             self.jobs[key] = job
