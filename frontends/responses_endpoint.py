@@ -19,9 +19,21 @@ from frontends.chat_endpoint import ChatEndpoint
 from frontends.echo import Plain
 from frontends.tool_calls import ToolView, tool_plan
 
+# chat fields an error may name -> the Responses fields they came from
+FIELDS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text"}
+
 
 class ResponsesEndpoint(ChatEndpoint):
     id_prefix = "resp"
+
+    async def __call__(self, request):
+        try:
+            return await super().__call__(request)
+        except ApiError as e:                    # named as the client named it
+            if e.param in FIELDS:
+                e.message = e.message.replace(f"'{e.param}'", f"'{FIELDS[e.param]}'")
+                e.param = FIELDS[e.param]
+            raise
 
     async def read(self, request):
         raw = await api_requests.read(request, x.ResponsesRequest)

@@ -138,3 +138,9 @@ def test_a_json_schema_and_a_tool_loop(client):
     assert answer.status in ("completed", "incomplete") and answer.output[0].type == "message"
     with pytest.raises(openai.BadRequestError, match="previous_response_id"):
         client.responses.create(model=BASE, input="x", previous_response_id=out.id)
+    with pytest.raises(openai.BadRequestError, match="'max_output_tokens' is 100000") as e:
+        client.responses.create(model=BASE, input="x", max_output_tokens=100000)
+    assert e.value.body["param"] == "max_output_tokens"
+    with pytest.raises(openai.BadRequestError, match="Unsupported type"):
+        client.responses.create(model=BASE, input="x", text={"format": {"type": "json_schema", "name": "x",
+                                                                        "schema": {"type": "nonsense"}}})
