@@ -59,7 +59,8 @@ def _server_args(p: argparse.ArgumentParser) -> None:
                    help="a Jinja file to render chat messages with instead of the model's own template")
     p.add_argument("--tool-call-parser", default=None, choices=tuple(PARSERS),
                    help="how the model writes tool calls, for tool_choice 'auto' (hermes: <tool_call> blocks, as "
-                        "Hermes and Qwen; llama3_json: a JSON object, as Llama 3.1)")
+                        "Hermes and Qwen; llama3_json: a JSON object, as Llama 3.1; mistral: [TOOL_CALLS] and a "
+                        "JSON array; pythonic: a Python list of calls, as Llama 3.2 and 4)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM's command lines: tool_choice 'auto' is on whenever --tool-call-parser is")
 
@@ -67,7 +68,8 @@ def _server_args(p: argparse.ArgumentParser) -> None:
 def chat_argv(args: argparse.Namespace) -> list[str]:
     """The frontends' flags for chat: --chat-template (checked here: readable Jinja) and --tool-call-parser."""
     if args.enable_auto_tool_choice and not args.tool_call_parser:
-        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral or "
+                         "pythonic)")
     out = ["--tool-call-parser", args.tool_call_parser] if args.tool_call_parser else []
     if args.chat_template:
         from jinja2 import Environment, TemplateSyntaxError

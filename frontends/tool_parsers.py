@@ -5,12 +5,18 @@ each parser takes a choice's text as it streams in and separates what is content
   and later, Qwen2.5 and Qwen3, and adapters trained on their templates).
 - `llama3_json`: an answer that is one JSON object `{"name": ..., "parameters": {...}}`, or several joined
   by `;` (Llama 3.1 / 3.2's JSON tool calling); an answer starting with anything else is content.
+- `mistral`: `[TOOL_CALLS]` then a JSON array of `{"name": ..., "arguments": {...}}` (Mistral 7B v0.3 and
+  its fine-tunes; text may come before it; an answer that starts with the array is calls too, for a
+  detokenizer that dropped the control token).
+- `pythonic`: an answer that is a Python list of calls, `[get_weather(city="Oslo"), get_time()]` (Llama 3.2
+  and 4's zero-shot format, ToolACE), keyword arguments of literal values only, read with `ast` (never run).
 
 Invariant for both: the content they give back plus the calls' blocks are the whole text, in order; a
 block that does not parse as a call is given back as content, unchanged.
 """
 from __future__ import annotations
 
+import ast
 import json
 
 Call = tuple[str, str]          # (function name, arguments as JSON text)
@@ -89,29 +95,114 @@ class HermesParser:
         return ("", [call]) if call is not None else (self.START + rest, [])
 
 
-class Llama3JsonParser:
+class _CallsOrText:
+    """An answer that is calls from its first character (after an optional TAG) when that is OPEN, held
+    to its end and parsed whole (`parse`); any other answer is text, streamed as it comes."""
+    TAG, OPEN = "", ""
+
     def __init__(self) -> None:
-        self.buf, self.mode = "", None          # mode: None (undecided), "json" (held to the end), "text"
+        self.buf, self.mode = "", None          # mode: None (undecided), "calls" (held to the end), "text"
 
     def feed(self, text: str) -> tuple[str, list[Call]]:
         if self.mode == "text":
             return text, []
         self.buf += text
-        head = self.buf.lstrip().removeprefix("<|python_tag|>").lstrip()
-        if not head:
+        head = self.buf.lstrip().removeprefix(self.TAG).lstrip()
+        if not head or _opens(self.TAG, head):
             return "", []
-        if head[0] == "{":
-            self.mode = "json"
+        if head[0] == self.OPEN:
+            self.mode = "calls"
             return "", []
         self.mode, out, self.buf = "text", self.buf, ""
         return out, []
 
     def end(self) -> tuple[str, list[Call]]:
         text, self.buf = self.buf, ""
-        if self.mode != "json":
+        if self.mode != "calls":
             return text, []
-        calls = _json_calls(text.lstrip().removeprefix("<|python_tag|>"))
+        calls = self.parse(text.strip().removeprefix(self.TAG).strip())
         return ("", calls) if calls else (text, [])
+
+    def parse(self, body: str) -> list[Call]:
+        raise NotImplementedError
+
+
+class Llama3JsonParser(_CallsOrText):
+    TAG, OPEN = "<|python_tag|>", "{"
+
+    def parse(self, body: str) -> list[Call]:
+        return _json_calls(body)
+
+
+class MistralParser:
+    MARK = "[TOOL_CALLS]"
+
+    def __init__(self) -> None:
+        self.buf, self.calls_mode, self.started = "", False, False
+
+    def feed(self, text: str) -> tuple[str, list[Call]]:
+        self.buf += text
+        if self.calls_mode:
+            return "", []
+        if not self.started:
+            head = self.buf.lstrip()
+            if not head or (len(head) < len(self.MARK) and self.MARK.startswith(head)):
+                return "", []                            # not yet known: text, the mark, or the array
+            self.started = True
+            if head.startswith("[") and not head.startswith(self.MARK):
+                self.calls_mode = True                   # the array itself, its control token dropped
+                return "", []
+        at = self.buf.find(self.MARK)
+        if at >= 0:
+            out, self.buf, self.calls_mode = self.buf[:at], self.buf[at:], True
+            return out, []
+        keep = _partial_tag(self.buf, self.MARK)
+        out, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+        return out, []
+
+    def end(self) -> tuple[str, list[Call]]:
+        text, self.buf = self.buf, ""
+        if not self.calls_mode:
+            return text, []
+        try:
+            items = json.loads(text.strip().removeprefix(self.MARK))
+        except ValueError:
+            return text, []
+        calls = [_as_call(i) for i in items] if isinstance(items, list) and items else [None]
+        return ("", calls) if all(calls) else (text, [])
+
+
+class PythonicParser(_CallsOrText):
+    TAG, OPEN = "<|python_start|>", "["
+
+    def parse(self, body: str) -> list[Call]:
+        return _python_calls(body.removesuffix("<|python_end|>").strip())
+
+
+def _opens(tag: str, text: str) -> bool:
+    """Whether `text` may still become `tag` (a proper start of it)."""
+    return len(text) < len(tag) and tag.startswith(text)
+
+
+def _python_calls(text: str) -> list[Call]:
+    """`[f(a=1), g()]` -> the calls; [] unless all of it is such a list (parsed, never evaluated)."""
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return []
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return []
+    calls = []
+    for node in tree.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+                and all(k.arg for k in node.keywords)):
+            return []
+        try:
+            args = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            calls.append((node.func.id, json.dumps(args, ensure_ascii=False)))
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            return []
+    return calls
 
 
 def _json_calls(text: str) -> list[Call]:
@@ -140,4 +231,5 @@ def _partial_tag(text: str, tag: str) -> int:
     return 0
 
 
-PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}
+PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser, "mistral": MistralParser,
+           "pythonic": PythonicParser}

@@ -14,7 +14,7 @@ from frontends.api_requests import ChatCompletionRequest
 from frontends.chat_endpoint import template_messages
 from frontends.cli import chat_argv
 from frontends.tool_calls import ToolView, tool_plan
-from frontends.tool_parsers import HermesParser, Llama3JsonParser
+from frontends.tool_parsers import HermesParser, Llama3JsonParser, MistralParser, PythonicParser
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "now", "parameters": WEATHER}},
@@ -130,6 +130,13 @@ def test_auto_text_without_calls_stays_text_and_a_broken_block_comes_back_unchan
     assert parser.end() == ("", [("f", '{"x": 1}')])
 
 
+@pytest.mark.parametrize("step", [1, 3, 1000])
+def test_llama3_json_after_its_python_tag_however_split(step):
+    assert feed_all(Llama3JsonParser(), '<|python_tag|>{"name": "f", "parameters": {"a": 1}}', step) == (
+        "", [("f", '{"a": 1}')])
+    assert feed_all(Llama3JsonParser(), "<b>bold</b>", step) == ("<b>bold</b>", [])
+
+
 def test_llama3_json_calls_and_text():
     parser = Llama3JsonParser()
     assert parser.feed(' {"name": "get_time", "parameters": {"ci') == ("", [])
@@ -140,6 +147,38 @@ def test_llama3_json_calls_and_text():
     parser = Llama3JsonParser()
     parser.feed('{"not": "a call"}')
     assert parser.end() == ('{"not": "a call"}', [])
+
+
+def feed_all(parser, text: str, step: int) -> tuple[str, list]:
+    content, calls = "", []
+    for i in range(0, len(text), step):
+        c, k = parser.feed(text[i:i + step])
+        content, calls = content + c, calls + k
+    c, k = parser.end()
+    return content + c, calls + k
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_mistral_calls_after_the_mark_or_as_a_bare_array(step):
+    array = '[{"name": "get_time", "arguments": {"city": "Oslo"}}, {"name": "f", "arguments": {}}]'
+    want = [("get_time", '{"city": "Oslo"}'), ("f", "{}")]
+    assert feed_all(MistralParser(), "Sure. [TOOL_CALLS]" + array, step) == ("Sure. ", want)
+    assert feed_all(MistralParser(), " " + array, step) == ("", want)          # the control token dropped
+    assert feed_all(MistralParser(), "[TOOL_CALLS]" + array, step) == ("", want)
+    assert feed_all(MistralParser(), "Lists look like [1, 2].", step) == ("Lists look like [1, 2].", [])
+    assert feed_all(MistralParser(), "[not json", step) == ("[not json", [])
+
+
+@pytest.mark.parametrize("step", [1, 4, 1000])
+def test_pythonic_calls_are_parsed_never_run(step):
+    text = '[get_weather(city="Oslo", days=2), get_time()]'
+    assert feed_all(PythonicParser(), text, step) == ("", [("get_weather", '{"city": "Oslo", "days": 2}'),
+                                                          ("get_time", "{}")])
+    assert feed_all(PythonicParser(), "<|python_start|>[f(x=[1, 2])]<|python_end|>", step) == ("", [
+        ("f", '{"x": [1, 2]}')])
+    for text in ("[__import__('os').system('true')]", "[f(x=open('/etc/passwd'))]", "[f(1)]", "[1, 2]",
+                 "Hello [f()]"):
+        assert feed_all(PythonicParser(), text, step) == (text, []), text
 
 
 def test_the_conversation_reaches_the_template_with_calls_as_objects():
