@@ -10,9 +10,15 @@ def cache_dir() -> str:
     return os.environ.get("LORAPLEX_CACHE") or str(Path.home() / ".cache" / "loraplex")
 
 
-def adapter_source_token() -> str | None:
-    """A bearer token for --adapter-source (a private Hub or store): $LORAPLEX_ADAPTER_SOURCE_TOKEN."""
-    return os.environ.get("LORAPLEX_ADAPTER_SOURCE_TOKEN") or None
+def adapter_source_token(hub: bool = False) -> str | None:
+    """A bearer token for --adapter-source (a private store): $LORAPLEX_ADAPTER_SOURCE_TOKEN; for a Hugging
+    Face Hub source (hub), else $HF_TOKEN."""
+    return os.environ.get("LORAPLEX_ADAPTER_SOURCE_TOKEN") or (os.environ.get("HF_TOKEN") if hub else None) or None
+
+
+def hf_endpoint() -> str:
+    """The Hugging Face Hub an `hf://` adapter source names: $HF_ENDPOINT, else https://huggingface.co."""
+    return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
 
 
 def adapter_cache_dir(source: str) -> str:

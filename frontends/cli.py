@@ -45,15 +45,19 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 def check_source(url: str | None) -> str | None:
     """--adapter-source, checked before anything starts."""
-    if url and not url.startswith(("http://", "https://")):
-        raise ValueError(f"--adapter-source: {url!r} is not an http:// or https:// URL")
+    if url and not url.startswith(("http://", "https://", "hf://")):
+        raise ValueError(f"--adapter-source: {url!r} is not an http://, https:// or hf:// URL")
+    if url and url.startswith("hf://"):
+        from engine.serving.adapter_source import hub_url
+        hub_url(url, "")
     return url
 
 
 def _server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter-source", default=None,
                    help="an http(s) URL adapters are fetched from when a request names one the server does not "
-                        "have: URL/<name>/adapter_config.json and adapter_model.safetensors, or a URL with {name}")
+                        "have: URL/<name>/adapter_config.json and adapter_model.safetensors, or a URL with {name}; "
+                        "hf://ORG: the Hugging Face Hub's ORG/<name> repositories")
     from frontends.tool_parsers import PARSERS
     p.add_argument("--chat-template", default=None,
                    help="a Jinja file to render chat messages with instead of the model's own template")

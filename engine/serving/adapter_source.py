@@ -13,6 +13,8 @@ Invariants:
   reason: requests for it in that time get the 404 at once, without asking the store again.
 - Bytes are bounded: a config over 1 MB or weights over `max_bytes` are refused while being read.
 `LORAPLEX_ADAPTER_SOURCE_TOKEN`, when set, is sent as `Authorization: Bearer` (a private Hub or store).
+`hf://ORG` (or `hf://ORG@REVISION`) is the Hugging Face Hub's `ORG/<name>` repositories: `$HF_ENDPOINT/ORG/
+{name}/resolve/main` (`HF_TOKEN` as the token, unless the one above is set).
 """
 from __future__ import annotations
 
@@ -35,6 +37,14 @@ CHUNK = 1 << 20
 
 class FetchRefused(LookupError):
     """The store does not have the adapter, or it could not be fetched: the reason, for the client's 404."""
+
+
+def hub_url(source: str, endpoint: str) -> str:
+    """`hf://ORG[@REVISION]` as the URL of its repositories' files."""
+    org, _, revision = source.removeprefix("hf://").strip("/").partition("@")
+    if not org or "/" in org:
+        raise ValueError(f"--adapter-source: {source!r}: give the Hub's organization or user, hf://ORG")
+    return f"{endpoint}/{quote(org)}/{{name}}/resolve/{quote(revision or 'main', safe='')}"
 
 
 class AdapterSource:

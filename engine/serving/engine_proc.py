@@ -34,7 +34,7 @@ from engine.output_processor import OutputProcessor
 from engine.serving.adapter_commands import AdapterCommands
 from engine.serving.adapter_fetches import AdapterFetches
 from engine.serving.adapter_journal import AdapterJournal
-from engine.serving.adapter_source import AdapterSource
+from engine.serving.adapter_source import AdapterSource, hub_url
 from engine.serving.engine_stats import EngineStatsPublisher
 from engine.serving.grammar_compiles import GrammarCompiles
 from engine.serving.pool_view import PoolView
@@ -52,8 +52,11 @@ class AsyncEngine:
                  lora_roots: list[str] | None = None, runtime_lora: bool = True, max_waiting: int = 1024,
                  adapter_source: str | None = None):
         self.kwargs = engine_kwargs
-        self.source = AdapterSource(adapter_source, envs.adapter_cache_dir(adapter_source),
-                                    envs.adapter_source_token()) if adapter_source else None
+        self.source = None
+        if adapter_source:
+            hub = adapter_source.startswith("hf://")
+            url = hub_url(adapter_source, envs.hf_endpoint()) if hub else adapter_source
+            self.source = AdapterSource(url, envs.adapter_cache_dir(url), envs.adapter_source_token(hub))
         self.address = address
         self.adapter_dir = adapter_dir
         # where /v1/load_lora_adapter may load from, and whether it may at all

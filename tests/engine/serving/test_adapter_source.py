@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from engine.serving.adapter_fetches import AdapterFetches
-from engine.serving.adapter_source import AdapterSource, FetchRefused
+from engine.serving.adapter_source import AdapterSource, FetchRefused, hub_url
 from ipc.requests import GenerateRequest
 from ipc.sampling_params import SamplingParams
 from tests.frontends.server_fixture import stub_server
@@ -49,7 +49,8 @@ class Store:
 async def store():
     s = Store()
     runner, url = await stub_server(("GET", "/store/{name}/{file}", s.handle),
-                                    ("GET", "/hub/{name}/x/{file}", s.handle))
+                                    ("GET", "/hub/{name}/x/{file}", s.handle),
+                                    ("GET", "/org/{name}/resolve/main/{file}", s.handle))
     yield s, url
     await runner.cleanup()
 
@@ -122,6 +123,19 @@ async def test_a_redirect_elsewhere_is_followed_without_the_token(store, tmp_pat
     await cdn.cleanup()
 
 
+async def test_a_hub_source_names_an_organization(store, tmp_path):
+    s, url = store
+    s.add("tenant-c")
+    assert hub_url("hf://my-org", "https://huggingface.co") == "https://huggingface.co/my-org/{name}/resolve/main"
+    assert hub_url("hf://my-org@v2", "https://h") == "https://h/my-org/{name}/resolve/v2"
+    with pytest.raises(ValueError, match="hf://ORG"):
+        hub_url("hf://org/repo", "https://h")
+    source = AdapterSource(hub_url("hf://org", url), tmp_path)            # the stub as HF_ENDPOINT
+    assert (await source.fetch("tenant-c")).name == "tenant-c"
+    assert s.seen[-1][0] == "/org/tenant-c/resolve/main/adapter_model.safetensors"
+    await source.close()
+
+
 def test_only_http_urls_and_valid_names():
     with pytest.raises(ValueError, match="not an http"):
         AdapterSource("file:///etc", "/tmp")
@@ -159,3 +173,14 @@ async def test_requests_wait_for_their_adapter_and_share_its_fetch(store, tmp_pa
     assert not fetches.holds(b"f", request("r4", "a"))      # cached now: not held
     assert not fetches.holds(b"f", request("r5", "missing"))     # refused lately: the engine says why at once
     await fetches.source.close()
+
+
+def test_the_token_a_source_sends(monkeypatch):
+    from engine import envs
+    monkeypatch.delenv("LORAPLEX_ADAPTER_SOURCE_TOKEN", raising=False)
+    monkeypatch.setenv("HF_TOKEN", "hf_x")
+    assert envs.adapter_source_token(hub=True) == "hf_x" and envs.adapter_source_token() is None
+    monkeypatch.setenv("LORAPLEX_ADAPTER_SOURCE_TOKEN", "sk-store")
+    assert envs.adapter_source_token(hub=True) == envs.adapter_source_token() == "sk-store"
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.example/")
+    assert envs.hf_endpoint() == "https://hub.example"
