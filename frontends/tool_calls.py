@@ -147,7 +147,7 @@ class ToolView(Plain):
             return self._answer(None, calls), "tool_calls"
         content, calls = self.parser.feed(text)
         rest, more = self.parser.end()
-        content, calls = (content + rest).strip() or None, calls + more
+        content, calls = (content + rest).strip() or None, self._allowed(calls + more)
         if not calls:
             return r.AssistantMessage(role="assistant", content=text), finish
         return self._answer(content, calls), "tool_calls" if finish == "stop" else finish
@@ -182,9 +182,14 @@ class ToolView(Plain):
         if finish is not None:
             rest, more = self.parser.end()
             content, calls = content + rest, calls + more
+        calls = self._allowed(calls)
         deltas = self._deltas(calls) if calls else None
         shown = "tool_calls" if finish == "stop" and self.calls else finish
         return r.Delta(role=role, content=content or None, tool_calls=deltas), shown
+
+    def _allowed(self, calls: list[Call]) -> list[Call]:
+        """With parallel_tool_calls false, the model's first call only."""
+        return calls if self.plan.parallel else calls[:max(0, 1 - self.calls)]
 
     def _deltas(self, calls: list[Call]) -> list[r.ToolCallDelta]:
         out = []

@@ -118,6 +118,18 @@ def test_auto_with_hermes_separates_text_and_calls_however_the_text_is_split():
             (0, "get_weather", {"city": "Oslo"}), (1, "get_time", {})], step
 
 
+def test_auto_without_parallel_calls_keeps_the_first():
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {}}</tool_call>'
+    plan = tool_plan(req(parallel_tool_calls=False), "hermes")
+    message, _ = view(plan).message(text, "stop")
+    assert [c.function.name for c in message.tool_calls] == ["a"]
+    v, names = view(plan), []
+    for k, piece in enumerate([text[:40], text[40:80], text[80:]]):
+        delta, _ = v.delta(piece, "stop" if k == 2 else None, k == 0)
+        names += [c.function.name for c in delta.tool_calls or []]
+    assert names == ["a"]
+
+
 def test_auto_text_without_calls_stays_text_and_a_broken_block_comes_back_unchanged():
     plain, finish = view(tool_plan(req(), "hermes")).message("It is 3 < 4.", "stop")
     assert plain.content == "It is 3 < 4." and plain.tool_calls is None and finish == "stop"
