@@ -79,11 +79,14 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
              adapter: str | None | Sequence[str | None] = None, use_tqdm: bool = False,
-             tools: list[dict] | None = None, chat_template: str | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None, chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
         """Apply the chat template (`chat_template`'s text, or the model's) to each conversation and generate;
-        `tools` (OpenAI's function definitions) reach the template, as vLLM's `LLM.chat`."""
+        `tools` (OpenAI's function definitions) and `chat_template_kwargs` reach the template, as vLLM's
+        `LLM.chat`; continue_final_message: the last turn goes on instead of being answered."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        token_lists = [encode_chat(self.tokenizer, c, tools, chat_template) for c in convs]
+        token_lists = [encode_chat(self.tokenizer, c, tools, chat_template, chat_template_kwargs,
+                                   continue_final_message) for c in convs]
         return self._run(token_lists, [None] * len(convs), params, adapter, use_tqdm)
 
     @staticmethod

@@ -60,11 +60,14 @@ def generic_tokenizer_folder(path: str) -> bool:
 
 
 def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict], tools: list[dict] | None = None,
-                chat_template: str | None = None) -> list[int]:
-    """Apply the chat template (`chat_template`, or the model's own) with the assistant prompt appended;
-    return token ids. Each message has a role and string content ("" for an assistant turn that only calls
-    tools); `tools` (OpenAI's function definitions) reach the template as its `tools` variable, which
-    tool-aware templates describe to the model (others ignore it)."""
+                chat_template: str | None = None, template_kwargs: dict | None = None,
+                continue_final: bool = False) -> list[int]:
+    """Apply the chat template (`chat_template`, or the model's own) with the assistant prompt appended
+    (continue_final: instead, the last turn left open for the model to go on with); return token ids. Each
+    message has a role and string content ("" for an assistant turn that only calls tools); `tools`
+    (OpenAI's function definitions) reach the template as its `tools` variable, which tool-aware templates
+    describe to the model (others ignore it); `template_kwargs` are more of its variables (vLLM's
+    `chat_template_kwargs`: Qwen3's `enable_thinking`, say)."""
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
@@ -74,8 +77,12 @@ def encode_chat(tok: PreTrainedTokenizerBase, messages: list[dict], tools: list[
     if template is None:
         raise ValueError("this model has no chat template: use /v1/completions with a prompt, or give the "
                          "server one (--chat-template)")
+    reserved = _template_parameters(tok) & set(template_kwargs or {})
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}")
     text = tok.apply_chat_template(messages, tools=tools or None, chat_template=template,
-                                   add_generation_prompt=True, tokenize=False)
+                                   add_generation_prompt=not continue_final, continue_final_message=continue_final,
+                                   tokenize=False, **(template_kwargs or {}))
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
@@ -87,3 +94,10 @@ def read_chat_template(path: str | None) -> str | None:
         return Path(path).read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"--chat-template: cannot read {path}: {e}") from None
+
+
+def _template_parameters(tok: PreTrainedTokenizerBase) -> set[str]:
+    """The names apply_chat_template takes itself (return_tensors, tokenize, ...): never template variables."""
+    import inspect
+    params = inspect.signature(tok.apply_chat_template).parameters
+    return {n for n, p in params.items() if p.kind is not p.VAR_KEYWORD} | {"messages"}

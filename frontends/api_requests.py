@@ -190,6 +190,8 @@ class ChatCompletionRequest(Generation, kw_only=True):
     tools: Annotated[list[ChatTool], Meta(max_length=128)] | None = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None      # vLLM's: more variables for the chat template
+    continue_final_message: bool | None = None              # vLLM's: the last turn is continued, not answered
     echo: Any = None     # completions only: refused here
 
 
@@ -212,6 +214,7 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Meta(min_length=1)] | None = None
     tools: Annotated[list[ChatTool], Meta(max_length=128)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True):

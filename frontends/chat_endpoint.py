@@ -38,8 +38,11 @@ class ChatEndpoint(GenerationEndpoint):
         plan = tool_plan(req, self.tool_parser)
         try:
             return [(encode_chat(self.tokenizer, template_messages(req.messages), plan.tools if plan else None,
-                                 self.chat_template), None)]
+                                 self.chat_template, req.chat_template_kwargs, bool(req.continue_final_message)),
+                     None)]
         except (ValueError, TypeError, TemplateError) as e:   # no template, or one that refuses these messages
+            if str(e).startswith("chat_template_kwargs"):
+                raise ApiError(400, str(e), "chat_template_kwargs") from None
             raise ApiError(400, f"'messages': {e}", "messages") from None
 
     def constraint(self, req: ChatCompletionRequest):

@@ -39,7 +39,8 @@ class TokenizeEndpoints:
             raise ApiError(400, "give exactly one of 'prompt' and 'messages'", "prompt")
         if req.messages is not None:
             chat = ChatCompletionRequest(model=req.model, messages=req.messages, tools=req.tools,
-                                         tool_choice="none" if req.tools else None)    # the tools reach the template
+                                         tool_choice="none" if req.tools else None,    # the tools reach the template
+                                         chat_template_kwargs=req.chat_template_kwargs)
             [(ids, _)] = self.chat.prompts(chat)
         else:
             [(ids, _)] = self.completions.prompts(CompletionRequest(model=req.model, prompt=req.prompt))

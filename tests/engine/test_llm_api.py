@@ -37,6 +37,10 @@ def test_chat_takes_tools_and_a_template_of_its_own(llm):
     assert "<tools>" in prompt and "get_weather" in prompt and "<tools>" not in llm.tokenizer.decode(
         plain.prompt_token_ids)
     assert '"name": "get_weather"' in out.text or '"name":"get_weather"' in out.text
+    on = llm.chat([{"role": "user", "content": "What is the capital of France?"},
+                   {"role": "assistant", "content": "The capital of France is"}],
+                  SamplingParams(temperature=0, max_tokens=3), continue_final_message=True)[0]
+    assert on.text.strip().startswith("Paris")
 
 
 def test_same_seed_same_output_and_different_seed_differs(llm):

@@ -97,3 +97,22 @@ def test_other_folders_go_through_autotokenizer(change, model_dir, tmp_path):
     if change == "no config":
         (Path(path) / "config.json").unlink()
     assert not generic_tokenizer_folder(path)
+
+
+def test_chat_template_variables_and_a_continued_last_turn():
+    """vLLM's chat_template_kwargs (more variables for the template) and continue_final_message."""
+    from engine.model.default_model import default_model_dir
+    from engine.tokenizer import encode_chat, load_tokenizer
+    tok = load_tokenizer(str(default_model_dir()))
+    template = ("{% if shout %}LOUD {% endif %}{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                "{% if not (loop.last and continue_final_message) %}</{{ m.role }}>{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}<assistant>{% endif %}")
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello the"}]
+    assert tok.decode(encode_chat(tok, turns, chat_template=template)) == \
+        "<user>Hi</user><assistant>Hello the</assistant><assistant>"
+    assert tok.decode(encode_chat(tok, turns, chat_template=template, template_kwargs={"shout": True},
+                                  continue_final=True)) == "LOUD <user>Hi</user><assistant>Hello the"
+    with pytest.raises(ValueError, match="chat_template_kwargs may not set messages, tools"):
+        encode_chat(tok, turns, chat_template=template, template_kwargs={"tools": [], "messages": []})
+    with pytest.raises(ValueError, match="may not set return_tensors"):      # apply_chat_template's own
+        encode_chat(tok, turns, chat_template=template, template_kwargs={"return_tensors": "pt"})

@@ -659,3 +659,20 @@ def test_structured_outputs_as_openai_and_vllm_clients_ask_for_them(server, clie
     assert metric(text, "loraplex_grammar_compiles_total", 'outcome="ok"') >= 4
     assert metric(text, "loraplex_grammar_compiles_total", 'outcome="error"') >= 1
     assert metric(text, "loraplex_grammar_compile_seconds_count") >= 5
+
+
+def test_a_continued_last_turn_and_template_variables(client):
+    """vLLM's continue_final_message (the assistant's last turn goes on) and chat_template_kwargs (more
+    variables for the template; the ones the server sets itself are refused by name)."""
+    msgs = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is"}]
+    out = client.chat.completions.create(model=BASE, messages=msgs, max_tokens=4, temperature=0,
+                                         extra_body={"continue_final_message": True})
+    assert out.choices[0].message.content.strip().startswith("Paris")
+    plain = client.chat.completions.create(model=BASE, messages=msgs[:1], max_tokens=4, temperature=0,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert plain.usage.prompt_tokens < out.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="may not set tools") as e:
+        client.chat.completions.create(model=BASE, messages=msgs[:1], max_tokens=2,
+                                       extra_body={"chat_template_kwargs": {"tools": []}})
+    assert e.value.body["param"] == "chat_template_kwargs"
