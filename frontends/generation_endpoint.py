@@ -123,10 +123,16 @@ class GenerationEndpoint(ABC):
                                             max_waiting=(tenant.max_waiting or 0) if tenant else 0,
                                             adapters=members, rate=rate if k == 0 else None)   # the whole cost
                        for k in range(total)])
-        if stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            return await self.stream(request, gens, rid, req.model, usage, adapter, views, n)
-        return await self.whole(request, gens, rid, req.model, adapter, views, n, params.logprobs is not None)
+        try:
+            if stream:
+                usage = bool(req.stream_options and req.stream_options.include_usage)
+                return await self.stream(request, gens, rid, req.model, usage, adapter, views, n)
+            return await self.whole(request, gens, rid, req.model, adapter, views, n, params.logprobs is not None)
+        except EngineError as e:         # a constraint the engine could not compile: named as the client sent it
+            field = request_fields.constraint_field(req, self.constraint(req))
+            if field is None or e.status != 400 or not str(e).startswith("structured_outputs"):
+                raise
+            raise ApiError(400, f"'{field}': {str(e).partition(': ')[2] or e}", field) from None
 
     def sampling(self, req, prompts: list[tuple[list[int], str | None]]) -> tuple[SamplingParams, bool]:
         """The request's sampling parameters, once each prompt fits the context and no unsupported field is

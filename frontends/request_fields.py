@@ -122,6 +122,13 @@ def sampling_params(req: Generation, logprobs: int | None, default_max_tokens: i
         raise ApiError(400, str(e), source if param == "structured_outputs" else param) from None
 
 
+def constraint_field(req: Generation, tool_constraint=None) -> str | None:
+    """The request field the output's constraint came from (a tool call's schema: `tools`), or None."""
+    if tool_constraint is not None:
+        return "tools"
+    return structured_outputs(req)[1]
+
+
 def _choice(req) -> str:
     choice = req.tool_choice
     return choice if isinstance(choice, str) else f"function {choice.function.name}"

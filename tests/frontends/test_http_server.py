@@ -643,8 +643,9 @@ def test_structured_outputs_as_openai_and_vllm_clients_ask_for_them(server, clie
     code = client.completions.create(model=BASE, prompt="Code:", max_tokens=8,
                                      extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{2}"}})
     assert re.fullmatch("[A-Z]{3}-[0-9]{2}", code.choices[0].text)
-    with pytest.raises(openai.BadRequestError, match=r"structured_outputs.regex: .*parenthesis"):
+    with pytest.raises(openai.BadRequestError, match=r"'guided_regex': .*parenthesis") as e:
         client.completions.create(model=BASE, prompt="x", max_tokens=2, extra_body={"guided_regex": "(ab"})
+    assert e.value.body["param"] == "guided_regex"          # the field the client sent
     with pytest.raises(openai.BadRequestError, match="give one constraint on the output, not 2") as e:
         client.completions.create(model=BASE, prompt="x", max_tokens=2,
                                   extra_body={"response_format": {"type": "json_object"}, "guided_choice": ["a"]})

@@ -141,6 +141,7 @@ def test_a_json_schema_and_a_tool_loop(client):
     with pytest.raises(openai.BadRequestError, match="'max_output_tokens' is 100000") as e:
         client.responses.create(model=BASE, input="x", max_output_tokens=100000)
     assert e.value.body["param"] == "max_output_tokens"
-    with pytest.raises(openai.BadRequestError, match="Unsupported type"):
+    with pytest.raises(openai.BadRequestError, match="'text': Unsupported type") as e:
         client.responses.create(model=BASE, input="x", text={"format": {"type": "json_schema", "name": "x",
                                                                         "schema": {"type": "nonsense"}}})
+    assert e.value.body["param"] == "text"

@@ -138,6 +138,10 @@ def test_the_conversation_goes_on_after_a_call_and_tokenize_shows_its_prompt(too
     ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools", "tools"),
     ({"messages": [{"role": "user"}]}, "messages", "missing required field `content`"),
     ({"messages": [{"role": "assistant", "content": None}]}, "messages", "has no content"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}],
+      "tool_choice": "required"}, "tools", "'tools': Unsupported type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+      "tools": None}, "response_format", "'response_format': Unsupported type"),
 ])
 def test_bad_tool_requests_get_a_400_naming_the_field(client, kw, param, says):
     body = {"messages": ASK, "tools": TOOLS, **kw}
