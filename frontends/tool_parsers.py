@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import json
+from abc import ABC, abstractmethod
 
 Call = tuple[str, str]          # (function name, arguments as JSON text)
 
@@ -95,9 +96,10 @@ class HermesParser:
         return ("", [call]) if call is not None else (self.START + rest, [])
 
 
-class _CallsOrText:
+class _CallsOrText(ABC):
     """An answer that is calls from its first character (after an optional TAG) when that is OPEN, held
-    to its end and parsed whole (`parse`); any other answer is text, streamed as it comes."""
+    to its end and parsed whole (`parse`, each subclass's format); any other answer is text, streamed as
+    it comes."""
     TAG, OPEN = "", ""
 
     def __init__(self) -> None:
@@ -123,8 +125,9 @@ class _CallsOrText:
         calls = self.parse(text.strip().removeprefix(self.TAG).strip())
         return ("", calls) if calls else (text, [])
 
+    @abstractmethod
     def parse(self, body: str) -> list[Call]:
-        raise NotImplementedError
+        """The calls `body` (the answer without its TAG) holds; [] unless all of it is calls."""
 
 
 class Llama3JsonParser(_CallsOrText):
